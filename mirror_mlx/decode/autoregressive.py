@@ -1,0 +1,22 @@
+"""Target-only decoding: one forward pass, one token."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..measure.stats import GenerationStats
+from .sampling import Sampler
+
+
+def autoregressive(
+    model: nn.Module, cache: list, last: int, sampler: Sampler, stats: GenerationStats
+) -> Iterator[list[int]]:
+    """Yields one committed token per step. `cache` holds every committed token but `last`."""
+    while True:
+        logits = model(mx.array([[last]]), cache=cache)[0, -1]
+        last = sampler.pick(logits)
+        stats.target_steps += 1
+        yield [last]

@@ -1,0 +1,21 @@
+"""Errors that are the user's to fix: the CLI prints them as one line, without a traceback."""
+
+
+class MirrorError(Exception):
+    """Base class for errors caused by input (paths, files, parameters, prompts)."""
+
+
+class ModelLoadError(MirrorError):
+    """A model path, hub id or file that cannot be loaded."""
+
+
+class InvalidParameter(MirrorError, ValueError):
+    """A sampling or decoding parameter out of range."""
+
+
+class PromptTooLong(MirrorError):
+    """A prompt that does not fit in the model's context."""
+
+
+class IncompatibleDraft(MirrorError):
+    """A draft that cannot serve a target (vocabulary or tokenizer mismatch)."""

@@ -1,0 +1,85 @@
+"""The one stats object that flows from the decoders to the CLI, the API, the server and the
+bench: the same field names everywhere."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    mode: str = "ar"
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens whose KV cache was reused, not prefilled
+    generated_tokens: int = 0
+    finish_reason: str = ""  # stop | length | context | cancelled
+    ttft_s: float = 0.0  # request start -> first token known
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # end of prefill -> last token
+    total_s: float = 0.0
+    peak_memory_gb: float = 0.0
+    # Speculative decoding; for AR every step commits exactly one token.
+    target_steps: int = 0
+    draft_tokens: int = 0  # drafted tokens that the target verified
+    accepted_tokens: int = 0  # of those, accepted
+    reuse_steps: int = 0  # Mirror-SD steps whose next window came from a branch rollout
+    fallback_steps: int = 0  # Mirror-SD steps that drafted afresh after verification
+    time_s: dict[str, float] = field(default_factory=dict)  # target_prefix, draft, wait, ...
+    overlap_fraction: float = 0.0  # share of draft time hidden under target compute
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        filled = self.prompt_tokens - self.cached_prompt_tokens
+        return filled / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens committed per target step (accepted drafts plus the target's own token)."""
+        return self.generated_tokens / self.target_steps if self.target_steps else 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def reuse_rate(self) -> float:
+        decided = self.reuse_steps + self.fallback_steps
+        return self.reuse_steps / decided if decided else 0.0
+
+    @property
+    def fallback_rate(self) -> float:
+        decided = self.reuse_steps + self.fallback_steps
+        return self.fallback_steps / decided if decided else 0.0
+
+    def add_time(self, key: str, seconds: float) -> None:
+        self.time_s[key] = self.time_s.get(key, 0.0) + seconds
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for name in ("prompt_tokens_per_second", "tokens_per_second", "acceptance_length",
+                     "acceptance_rate", "reuse_rate", "fallback_rate"):
+            out[name] = getattr(self, name)
+        return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
+
+    def summary(self) -> str:
+        parts = [
+            f"mode {self.mode}",
+            f"prompt {self.prompt_tokens} tok"
+            + (f" ({self.cached_prompt_tokens} cached)" if self.cached_prompt_tokens else ""),
+            f"{self.prompt_tokens_per_second:.1f} tok/s",
+            f"TTFT {self.ttft_s:.3f}s",
+            f"generated {self.generated_tokens} tok at {self.tokens_per_second:.1f} tok/s",
+        ]
+        if self.mode != "ar":
+            parts.append(f"{self.acceptance_length:.2f} tok/step")
+            parts.append(f"acceptance {self.acceptance_rate:.0%}")
+        if self.mode == "mirror":
+            parts.append(f"reuse {self.reuse_rate:.0%}")
+            parts.append(f"overlap {self.overlap_fraction:.0%}")
+        parts.append(f"peak {self.peak_memory_gb:.2f} GB")
+        parts.append(f"finish {self.finish_reason}")
+        return " | ".join(parts)

@@ -1,0 +1,212 @@
+"""One entry point for every model spec: a local mlx-lm directory, a Hugging Face repo id,
+a .gguf file, or "default". Returns the mlx-lm model, its tokenizer and what the engine needs."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_unflatten
+from transformers import PreTrainedTokenizerBase
+
+from ..errors import ModelLoadError
+from ..platform import mlx_device
+from . import gguf
+from .default import ensure_default_model
+from .gguf_tokenizer import tokenizer_from_gguf
+
+DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    path: Path
+    context_length: int
+    eos_token_ids: frozenset[int]
+    dtype: str
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.args.vocab_size)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.layers)
+
+
+def resolve_dtype(dtype: str) -> str:
+    """The dtype policy: on the CPU dequantize to float32 (MLX's quantized matmul is slow and
+    single-threaded there, and does not batch); on a GPU keep weights as stored."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"--dtype must be one of {', '.join(DTYPES)} (got '{dtype}')")
+    if dtype == "auto":
+        return "float32" if mlx_device() == "cpu" else "quantized"
+    return dtype
+
+
+def load(spec: str | None = None, dtype: str = "auto", quiet: bool = False) -> LoadedModel:
+    """Load a target or draft model. `spec`: None or "default", a path, or a hub id."""
+    dtype = resolve_dtype(dtype)
+    if spec in (None, "", "default"):
+        return _load_gguf(ensure_default_model(quiet), dtype, name="default")
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix == ".gguf" or _has_gguf_magic(path):
+            return _load_gguf(path, dtype, name=spec)
+        raise ModelLoadError(f"{spec}: not a GGUF file or a model directory")
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return _load_mlx_lm(str(path), dtype, name=spec)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return _load_gguf(ggufs[0], dtype, name=spec)
+        raise ModelLoadError(f"{spec}: a model directory needs config.json or a single .gguf file")
+    if _HUB_ID.match(spec) and not spec.startswith((".", "~")) and path.suffix != ".gguf":
+        return _load_mlx_lm(spec, dtype, name=spec)
+    raise ModelLoadError(f"{spec}: no such file or directory")
+
+
+def _has_gguf_magic(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == gguf.MAGIC
+
+
+def _load_gguf(path: Path, dtype: str, name: str) -> LoadedModel:
+    from mlx_lm.models import llama
+
+    header = gguf.read_header(path)
+    try:
+        config = gguf.llama_config(header)
+        tokenizer = tokenizer_from_gguf(header)
+    except (TypeError, ValueError, KeyError, IndexError) as e:
+        # Values of the wrong type or range in a header that is otherwise well formed.
+        raise ModelLoadError(f"{path}: malformed metadata ({type(e).__name__}: {e})") from e
+    try:
+        raw = mx.load(str(path))
+    except (RuntimeError, ValueError) as e:
+        raise ModelLoadError(f"{path}: MLX could not read the tensors ({e})") from e
+
+    weights: dict[str, mx.array] = {}
+    for key, value in raw.items():
+        # mx.load splits a quantized tensor into "<name>.weight/.scales/.biases".
+        target = gguf.mlx_lm_name(key)
+        if target is None:
+            raise ModelLoadError(f"{path}: unexpected tensor '{key}' for a llama model")
+        if ".q_proj." in target:
+            value = gguf.unpermute_rows(value, config["num_attention_heads"])
+        elif ".k_proj." in target:
+            value = gguf.unpermute_rows(value, config["num_key_value_heads"])
+        weights[target] = value
+
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    _quantize_like(model, weights)
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as e:
+        raise ModelLoadError(f"{path}: tensors do not match the llama layout ({e})") from e
+    eos = {tokenizer.eos_token_id} | {
+        header.metadata[k] for k in ("tokenizer.ggml.eot_token_id",) if k in header.metadata
+    }
+    return _finish(model, tokenizer, name, path, config["max_position_embeddings"], eos, dtype)
+
+
+def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
+    """Turn the modules whose GGUF tensors are quantized into MLX quantized modules with the
+    file's bits (Q4_x: 4, Q8_0: 8; groups of 32 in both)."""
+
+    def predicate(path: str, module: nn.Module) -> Any:
+        scales = weights.get(f"{path}.scales")
+        if scales is None:
+            return False
+        bits = weights[f"{path}.weight"].shape[-1] // scales.shape[-1]
+        return {"group_size": 32, "bits": bits}
+
+    nn.quantize(model, class_predicate=predicate)
+
+
+def _load_mlx_lm(spec: str, dtype: str, name: str) -> LoadedModel:
+    from mlx_lm.utils import load as mlx_lm_load
+
+    try:
+        model, wrapper, config = mlx_lm_load(spec, return_config=True)
+    except Exception as e:  # mlx-lm and the hub raise many types; all mean "cannot load this"
+        where = "from the Hugging Face Hub" if not Path(spec).exists() else ""
+        raise ModelLoadError(f"{spec}: cannot load {where}({type(e).__name__}: {e})") from e
+    path = Path(spec) if Path(spec).exists() else Path(getattr(wrapper, "name_or_path", spec))
+    context = int(
+        config.get("max_position_embeddings")
+        or getattr(wrapper._tokenizer, "model_max_length", 4096)
+    )
+    eos = set(wrapper.eos_token_ids)
+    return _finish(model, wrapper._tokenizer, name, path, context, eos, dtype)
+
+
+def _finish(model, tokenizer, name, path, context, eos, dtype) -> LoadedModel:
+    if dtype != "quantized":
+        _dequantize(model, getattr(mx, dtype))
+    model.eval()
+    mx.eval(model.parameters())
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        path=Path(path),
+        context_length=int(context),
+        eos_token_ids=frozenset(int(e) for e in eos if e is not None),
+        dtype=_describe_dtype(model),
+    )
+
+
+def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:
+    """Replace quantized modules by dense ones in `dtype` and cast every float parameter.
+    Scales and biases are widened first, so float32 dequantization is exact."""
+    dense = []
+    for path, module in model.named_modules():
+        if not isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            continue
+        w = mx.dequantize(
+            module.weight,
+            module.scales.astype(dtype),
+            module.biases.astype(dtype) if module.biases is not None else None,
+            group_size=module.group_size,
+            bits=module.bits,
+            mode=module.mode,
+        ).astype(dtype)
+        if isinstance(module, nn.QuantizedEmbedding):
+            new = nn.Embedding(*w.shape)
+        else:
+            new = nn.Linear(w.shape[1], w.shape[0], bias="bias" in module)
+            if "bias" in module:
+                new.bias = module.bias
+        new.weight = w
+        dense.append((path, new))
+    if dense:
+        model.update_modules(tree_unflatten(dense))
+    model.update(
+        tree_unflatten(
+            [(k, v.astype(dtype)) for k, v in tree_flatten(model.parameters())
+             if mx.issubdtype(v.dtype, mx.floating)]
+        )
+    )
+
+
+def _describe_dtype(model: nn.Module) -> str:
+    bits = {m.bits for _, m in model.named_modules() if hasattr(m, "bits")}
+    floats = {
+        str(v.dtype).removeprefix("mlx.core.")
+        for _, v in tree_flatten(model.parameters())
+        if mx.issubdtype(v.dtype, mx.floating)
+    }
+    if bits:
+        widths = "/".join(f"{b}-bit" for b in sorted(bits))
+        return f"quantized ({widths}, {'/'.join(sorted(floats))})"
+    return "/".join(sorted(floats))
+
