@@ -19,10 +19,10 @@ import time
 
 
 def measure(model_spec: str | None, prompt_tokens: int, decode_tokens: int) -> dict:
-    import mirror_mlx  # noqa: F401  (BLAS choice happens here)
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
+    import mirror_mlx  # noqa: F401  (BLAS choice happens here)
     from mirror_mlx.models.load import load
     from mirror_mlx.platform import blas_description
 
@@ -101,7 +101,8 @@ def main() -> None:
         vals = [r[key][sub] if sub else r[key] for r in runs[name]]
         return statistics.median(vals)
 
-    print(f"{'BLAS':<10} {'prefill tok/s':>14} {'decode tok/s':>13}  forward cost k=1,2,4,8,16 (x k=1)")
+    print(f"{'BLAS':<10} {'prefill tok/s':>14} {'decode tok/s':>13}  "
+          "forward cost k=1,2,4,8,16 (x k=1)")
     for name in runs:
         costs = " ".join(f"{med(name, 'forward_cost_vs_k1', str(k)) :.2f}"
                          for k in (1, 2, 4, 8, 16))

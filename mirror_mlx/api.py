@@ -8,11 +8,14 @@ from dataclasses import dataclass
 
 from jinja2 import TemplateError
 
+from .decode.mirror import MirrorConfig
 from .decode.sampling import SamplingParams
+from .draft.load import load_draft, load_exit_head
+from .draft.mlx_draft import MLXDrafter
 from .errors import InvalidParameter
 from .measure.stats import GenerationStats
 from .models.load import LoadedModel, load
-from .session import Chunk, Session
+from .session import Chunk, DecodeSettings, Session
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
 
@@ -25,18 +28,46 @@ class Result:
 
 
 class Engine:
-    """A loaded target (and, later, draft) with one conversation session.
+    """A loaded target, and a draft for the speculative modes, with one conversation session.
 
-    >>> engine = Engine()                      # the default model
+    >>> engine = Engine()                      # the default model, target-only
+    >>> engine = Engine(mode="mirror")         # Mirror-SD with the default draft
     >>> engine.generate("Name three colors.", max_tokens=32).text
     """
 
-    def __init__(self, model: str | LoadedModel | None = None, *, dtype: str = "auto",
-                 context: int | None = None, quiet: bool = False):
+    def __init__(self, model: str | LoadedModel | None = None, *, mode: str = "ar",
+                 draft: str | None = None, dtype: str = "auto", context: int | None = None,
+                 gamma: int = 5, kappa: int = 8, exit_layer: int | None = None,
+                 exit_head: str | None = None, branch_budget: int = 4,
+                 branch_source: str = "union", quiet: bool = False):
         if not isinstance(model, LoadedModel):
             model = load(model, dtype=dtype, quiet=quiet)
         self.target = model
-        self.session = Session(self.target, context)
+        self.drafter = None
+        head = load_exit_head(exit_head, model) if mode == "mirror" else None
+        layer = head.layer if head else exit_layer or round(model.num_layers * 5 / 6)
+        settings = DecodeSettings(mode, gamma, MirrorConfig(
+            gamma=gamma, kappa=kappa, exit_layer=layer, budget=branch_budget,
+            source=branch_source, exit_head=head))
+        settings.check(model.num_layers)
+        if mode != "ar":
+            self.drafter = MLXDrafter(load_draft(draft, model))
+        try:
+            self.session = Session(self.target, context, self.drafter, settings)
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Stop the draft's worker. The engine cannot generate afterwards."""
+        if self.drafter is not None:
+            self.drafter.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     @property
     def tokenizer(self):

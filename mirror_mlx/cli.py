@@ -20,6 +20,25 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache length in tokens (default: the model's context)")
 
 
+def _decoding_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", default="ar", choices=("ar", "sd", "mirror"),
+                   help="ar: target only; sd: vanilla speculative; mirror: Mirror-SD")
+    p.add_argument("--draft", default=None,
+                   help="draft: a distilled draft folder, a llama model spec, 'self:N' (the "
+                        "target's first N layers) or 'default'")
+    p.add_argument("--gamma", type=int, default=5, help="drafted tokens per step")
+    p.add_argument("--kappa", type=int, default=8, help="early-exit top-k per position")
+    p.add_argument("--exit-layer", type=int, default=None,
+                   help="layer whose output feeds the early exit (default: the exit head's, "
+                        "else 5/6 of the depth)")
+    p.add_argument("--exit-head", default=None,
+                   help="trained exit head file, 'none' (raw logit lens) or 'default'")
+    p.add_argument("--branch-budget", type=int, default=4,
+                   help="branches rolled out beside the target's suffix per step")
+    p.add_argument("--branch-source", default="union", choices=("exit", "draft", "union"),
+                   help="where branch tokens come from")
+
+
 def _generation_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 is greedy")
@@ -39,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate a reply to one prompt")
     _model_args(p)
+    _decoding_args(p)
     _generation_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--system", default=None, help="system message (with the chat template)")
@@ -49,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("chat", help="interactive chat in the terminal")
     _model_args(p)
+    _decoding_args(p)
     _generation_args(p)
     p.add_argument("--system", default=None, help="system message")
 
@@ -66,11 +87,23 @@ def _sampling(args):
                           min_p=args.min_p, seed=args.seed)
 
 
-def cmd_generate(args) -> None:
+def _engine(args, quiet: bool = False):
     from .api import Engine
 
+    return Engine(args.model, mode=args.mode, draft=args.draft, dtype=args.dtype,
+                  context=args.context, gamma=args.gamma, kappa=args.kappa,
+                  exit_layer=args.exit_layer, exit_head=args.exit_head,
+                  branch_budget=args.branch_budget, branch_source=args.branch_source,
+                  quiet=quiet)
+
+
+def cmd_generate(args) -> None:
     sampling = _sampling(args)
-    engine = Engine(args.model, dtype=args.dtype, context=args.context, quiet=args.json)
+    with _engine(args, quiet=args.json) as engine:
+        _print_generation(engine, args, sampling)
+
+
+def _print_generation(engine, args, sampling) -> None:
     if args.no_chat_template:
         prompt = args.prompt
     else:
@@ -95,12 +128,11 @@ def cmd_generate(args) -> None:
 
 
 def cmd_chat(args) -> None:
-    from .api import Engine
     from .chat import run_chat
 
     sampling = _sampling(args)
-    engine = Engine(args.model, dtype=args.dtype, context=args.context)
-    run_chat(engine, sampling, args.max_tokens, system=args.system, stop=tuple(args.stop))
+    with _engine(args) as engine:
+        run_chat(engine, sampling, args.max_tokens, system=args.system, stop=tuple(args.stop))
 
 
 def cmd_doctor(args) -> None:

@@ -6,19 +6,44 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
 
 from .decode.autoregressive import autoregressive
+from .decode.mirror import MirrorConfig, mirror
 from .decode.sampling import Sampler, SamplingParams
+from .decode.speculative import speculative
+from .draft.base import Drafter, Job
 from .errors import InvalidParameter, PromptTooLong
 from .measure.stats import GenerationStats
 from .models.load import LoadedModel
 from .text import TextStream
 
 PREFILL_CHUNK = 512
+MODES = ("ar", "sd", "mirror")
+
+
+@dataclass
+class DecodeSettings:
+    mode: str = "ar"  # ar | sd | mirror
+    gamma: int = 5  # drafted tokens per step (sd and mirror)
+    mirror: MirrorConfig = field(default_factory=MirrorConfig)
+
+    def check(self, num_layers: int) -> None:
+        m = self.mirror
+        if self.mode not in MODES:
+            raise InvalidParameter(f"mode must be one of {', '.join(MODES)} (got '{self.mode}')")
+        if self.gamma < 1:
+            raise InvalidParameter(f"gamma must be at least 1 (got {self.gamma})")
+        if m.kappa < 1:
+            raise InvalidParameter(f"kappa must be at least 1 (got {m.kappa})")
+        if m.budget < 0:
+            raise InvalidParameter(f"branch budget must be >= 0 (got {m.budget})")
+        layer = m.exit_head.layer if m.exit_head else m.exit_layer
+        if self.mode == "mirror" and not 0 < layer < num_layers:
+            raise InvalidParameter(f"exit layer must be in 1..{num_layers - 1} (got {layer})")
 
 
 @dataclass
@@ -42,8 +67,15 @@ class Session:
     """Keeps the target's KV cache between generations, so a chat's earlier turns are not
     prefilled again: each prompt reuses the longest cached prefix."""
 
-    def __init__(self, target: LoadedModel, context: int | None = None):
+    def __init__(self, target: LoadedModel, context: int | None = None,
+                 drafter: Drafter | None = None, settings: DecodeSettings | None = None):
         self.target = target
+        self.drafter = drafter
+        self.settings = settings or DecodeSettings()
+        self.settings.check(target.num_layers)
+        if self.settings.mode != "ar" and drafter is None:
+            raise InvalidParameter(f"mode '{self.settings.mode}' needs a draft")
+        self.timeline: list | None = None  # set to a list to record Mirror-SD step timings
         self.context = min(context or target.context_length, target.context_length)
         if self.context < 2:
             raise InvalidParameter(f"context must be at least 2 tokens (got {self.context})")
@@ -75,16 +107,25 @@ class Session:
                 f"the prompt is {len(prompt)} tokens but the context holds {self.context} "
                 "(and at least one new token must fit)"
             )
-        stats = GenerationStats(mode="ar", prompt_tokens=len(prompt))
+        mode = self.settings.mode
+        stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
+        sampler = Sampler(sampling or SamplingParams())
         mx.reset_peak_memory()
         start = time.perf_counter()
+        draft_prefill = None
+        if mode != "ar":
+            # The draft fills its own cache on its side while the target prefills.
+            self.drafter.reseed(sampler.params.seed)
+            draft_prefill = self.drafter.submit(Job([prompt], 0, label="prefill"))
         last = self._prefill(prompt, stats, cancel, on_prefill)
+        if draft_prefill is not None:
+            self.drafter.run_pending()
+            draft_prefill.result()
         prefilled = time.perf_counter()
         stats.prefill_s = prefilled - start
 
         text = TextStream(self.target.tokenizer, stop)
-        sampler = Sampler(sampling or SamplingParams())
-        decoder = autoregressive(self.target.model, self.cache, last, sampler, stats)
+        decoder = self._decoder(prompt, last, sampler, stats)
         generated: list[int] = []
         finish = "cancelled" if cancel is not None and cancel.is_set() else ""
         try:
@@ -122,7 +163,22 @@ class Session:
         stats.decode_s = end - prefilled
         stats.total_s = end - start
         stats.peak_memory_gb = mx.get_peak_memory() / 1e9
+        drafting = stats.time_s.get("draft", 0.0) + stats.time_s.get("draft_serial", 0.0)
+        if drafting > 0:
+            stats.overlap_fraction = stats.time_s.get("draft_hidden", 0.0) / drafting
         yield Chunk(text.flush(), [], stats)
+
+    def _decoder(self, prompt: list[int], last: int, sampler: Sampler, stats: GenerationStats):
+        s, model, cache = self.settings, self.target.model, self.cache
+        if s.mode == "ar":
+            return autoregressive(model, cache, last, sampler, stats)
+        committed = self.tokens + [last]
+        if s.mode == "sd":
+            return speculative(model, cache, self.drafter, committed, sampler, stats, s.gamma,
+                               self.context)
+        mirror_config = MirrorConfig(**{**s.mirror.__dict__, "gamma": s.gamma})
+        return mirror(model, cache, self.drafter, committed, sampler, stats, mirror_config,
+                      self.context, self.timeline)
 
     def _prefill(self, prompt, stats, cancel, on_prefill) -> int:
         """Fill the cache with all of `prompt` but its last token, reusing what it holds."""

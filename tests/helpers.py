@@ -29,9 +29,10 @@ def _permute(w: mx.array, n_heads: int) -> mx.array:
 
 
 def write_tiny_gguf(path: Path, tokenizer_source: Path, architecture: str = "llama",
-                    seed: int = 0) -> llama.Model:
+                    seed: int = 0, swap_tokens: tuple[int, int] | None = None) -> llama.Model:
     """Write a tiny random llama as a GGUF file with the tokenizer of `tokenizer_source`
-    (a real GGUF), as llama.cpp lays it out. Returns the model it holds."""
+    (a real GGUF), as llama.cpp lays it out; `swap_tokens` exchanges two vocabulary entries
+    (another tokenizer of the same size). Returns the model it holds."""
     model = tiny_llama(seed)
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
              "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
@@ -50,7 +51,12 @@ def write_tiny_gguf(path: Path, tokenizer_source: Path, architecture: str = "lla
             elif theirs == "attn_k":
                 w = _permute(w, TINY["num_key_value_heads"])
             tensors[f"blk.{i}.{theirs}.weight"] = w
-    source = read_header(tokenizer_source).metadata
+    source = dict(read_header(tokenizer_source).metadata)
+    if swap_tokens:
+        vocab = list(source["tokenizer.ggml.tokens"])
+        a, b = swap_tokens
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+        source["tokenizer.ggml.tokens"] = vocab
     u32 = lambda v: mx.array(v, dtype=mx.uint32)  # noqa: E731
     meta = {
         "general.architecture": architecture,

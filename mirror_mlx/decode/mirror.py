@@ -1,0 +1,155 @@
+"""Mirror speculative decoding, one step at a time, top to bottom.
+
+A step verifies a window of drafted tokens. While the target computes, the draft rolls out the
+windows the next step may need, so that on a hit the next window is ready when verification
+ends (reuse) and only on a miss does the draft work on the critical path (fallback):
+
+1. The draft starts at once on the likeliest outcome, "all drafts accepted, then the draft's
+   own next token": it continues its own window by gamma + 1 tokens.
+2. The target runs layers 1..l_e over the window; the early exit gives top-kappa guesses of
+   the target's token at every window position (ids and log-probs: the token channel).
+3. The draft rolls out the best-ranked other outcomes (r accepted, then token v) as one
+   batched job, beside the target's remaining layers l_e+1..N.
+4. Verification (greedy, or speculative sampling) commits A drafts and the target's token c.
+5. If (A, c) was rolled out, its rollout is the next window; otherwise the next window is
+   drafted afresh.
+
+How the two sides run at once is the drafter's business: a threaded drafter (MLX on a worker
+thread) starts jobs when they are submitted; an inline one (Core ML on the Neural Engine) runs
+them in `run_pending`, after the target's work has been dispatched with `mx.async_eval`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..draft.base import Drafter, Job, Rollout
+from ..measure.stats import GenerationStats
+from ..models import split
+from .branches import rank_branches
+from .sampling import Sampler
+from .verify import judge, speculative_accept
+
+
+@dataclass
+class MirrorConfig:
+    gamma: int = 5
+    kappa: int = 8
+    exit_layer: int = 25
+    budget: int = 4  # branches rolled out beside the suffix, besides the early one
+    source: str = "union"  # where branch tokens come from: exit | draft | union
+    exit_head: split.ExitHead | None = None
+
+
+def _tail(r: Rollout, skip: int) -> Rollout:
+    return Rollout(r.tokens[skip:], r.top_ids[skip:], r.top_probs[skip:],
+                   None if r.probs is None else r.probs[skip:])
+
+
+def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
+    return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
+
+
+def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int],
+           sampler: Sampler, stats: GenerationStats, config: MirrorConfig, limit: int,
+           timeline: list | None = None, accept=speculative_accept) -> Iterator[list[int]]:
+    """Yields the tokens each step commits; same contract as `speculative`."""
+    committed = list(committed)
+    q_params = None if sampler.params.greedy else sampler.params
+    n_layers = len(model.layers)
+    exit_layer = config.exit_head.layer if config.exit_head else config.exit_layer
+    window: Rollout | None = None
+
+    def mark(label: str, start: float, end: float) -> None:
+        if timeline is not None:
+            timeline.append((label, start, end))
+
+    while True:
+        g = max(0, min(config.gamma, limit - len(committed)))
+        if g and (window is None or len(window.tokens) < g):
+            t = time.perf_counter()
+            window = drafter.submit(Job([committed], g, q_params, "fresh")).result().rollouts[0]
+            stats.add_time("draft_serial", time.perf_counter() - t)
+            mark("draft_fresh", t, time.perf_counter())
+        drafts = window.tokens[:g] if g else []
+        q = window.probs[:g] if g and window.probs is not None else None
+        stop = threading.Event()
+
+        # 1. The likeliest outcome needs no early-exit signal: start it now.
+        early = drafter.submit(Job([committed + drafts], g + 1, q_params, "early", True, stop)) \
+            if g else None
+
+        # 2. Target prefix, then the early exit's top-kappa at every window position.
+        t_prefix = time.perf_counter()
+        p = split.start(model, mx.array([committed[-1:] + drafts]), cache)
+        split.run_layers(model, p, 0, exit_layer)
+        exit_ids, exit_logp = split.top_k(
+            split.exit_logits(model, p.h[0], config.exit_head), config.kappa)
+        mx.async_eval(exit_ids, exit_logp)
+        drafter.run_pending()
+        mx.eval(exit_ids, exit_logp)
+        t_suffix = time.perf_counter()
+        stats.add_time("target_prefix", t_suffix - t_prefix)
+        mark("target_prefix", t_prefix, t_suffix)
+
+        # 3. The other likely outcomes, rolled out beside the target's suffix.
+        picks, late = [], None
+        if g and config.budget:
+            picks = rank_branches(
+                drafts, np.array(exit_ids), np.array(exit_logp), window.top_ids[:g],
+                window.top_probs[:g], config.budget, config.source)
+            late = drafter.submit(Job([committed + drafts[: b.r] + [b.token] for b in picks],
+                                      g, q_params, "branches", False, stop))
+
+        # 4. Target suffix and verification.
+        split.run_layers(model, p, exit_layer, n_layers)
+        logits = split.final_logits(model, p.h[0])
+        mx.async_eval(logits)
+        drafter.run_pending()
+        accepted, token = judge(logits, drafts, q, sampler, accept)
+        for c in cache:
+            c.trim(g - accepted)
+        t_done = time.perf_counter()
+        stats.add_time("target_suffix", t_done - t_suffix)
+        mark("target_suffix", t_suffix, t_done)
+
+        # 5. Reuse a rollout of the actual outcome, or fall back to drafting afresh.
+        window = None
+        if g:
+            hit = next((i for i, b in enumerate(picks) if (b.r, b.token) == (accepted, token)),
+                       None)
+            if hit is None and accepted < g:
+                stop.set()  # neither job can be of use any more: end them early
+            wait = time.perf_counter()
+            early_done = early.result()
+            outcome = "fallback"
+            if accepted == g and early_done.rollouts[0].tokens[:1] == [token]:
+                window, outcome = _tail(early_done.rollouts[0], 1), "early"
+            late_done = late.result() if late is not None else None
+            if window is None and hit is not None:
+                window, outcome = late_done.rollouts[hit], f"branch:{accepted}"
+            mark(f"outcome:{outcome}", t_done, t_done)
+            stats.add_time("wait", time.perf_counter() - wait)
+            target_span = (t_prefix, t_done)
+            for job in filter(None, (early_done, late_done)):
+                busy = (job.start, job.end)
+                stats.add_time("draft", busy[1] - busy[0])
+                stats.add_time("draft_hidden", _overlap(busy, target_span))
+                mark(f"draft_{job.label}", *busy)
+            if window is not None:
+                stats.reuse_steps += 1
+            else:
+                stats.fallback_steps += 1
+        stats.target_steps += 1
+        stats.draft_tokens += g
+        stats.accepted_tokens += accepted
+        new = drafts[:accepted] + [token]
+        committed += new
+        yield new

@@ -1,0 +1,74 @@
+"""What the decoders need from a draft, whatever runs it (MLX on a worker thread, Core ML on the
+Neural Engine).
+
+A draft holds its own KV cache as a token tree. Every job names whole token sequences; the
+drafter reuses whatever part of them its cache already holds (the committed context, or a
+branch it rolled out in the previous job) and computes the rest. So the decoders never manage
+the draft's cache: rolling back, extending after acceptance and adopting a reused branch all
+follow from the sequences they ask for.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from ..decode.sampling import SamplingParams
+
+
+@dataclass
+class Job:
+    """Draft `n` tokens after each of `sequences` (full token sequences, typically a shared
+    context plus a branch). `n == 0` only brings the cache up to date (a prefill).
+
+    `compact`: sequences[0] is the new main line: the cache keeps only what lies on it, and
+    branches rolled out earlier that leave it are forgotten. A job that adds branches beside
+    those of an earlier job of the same step passes False. `cancel`, once set, ends the job
+    after its current forward (its rollouts are then shorter than `n`)."""
+
+    sequences: list[list[int]]
+    n: int
+    sampling: SamplingParams | None = None  # None: greedy
+    label: str = "draft"
+    compact: bool = True
+    cancel: threading.Event | None = None
+
+
+@dataclass
+class Rollout:
+    tokens: list[int]  # the drafted tokens
+    top_ids: np.ndarray  # (n, k) the draft's k best tokens at each drafted position
+    top_probs: np.ndarray  # (n, k) their probabilities under the draft
+    probs: np.ndarray | None = None  # (n, vocab) sampling distributions q; None when greedy
+
+
+@dataclass
+class JobResult:
+    rollouts: list[Rollout]
+    start: float  # perf_counter seconds
+    end: float
+    label: str = "draft"
+    fed_tokens: int = 0  # tokens the draft had to process (a measure of its work)
+    reused_tokens: int = 0  # tokens of the sequences it already held in its cache
+    extra: dict = field(default_factory=dict)
+
+
+class Drafter(Protocol):
+    vocab_size: int  # the input vocabulary; must equal the target's
+
+    def submit(self, job: Job) -> Future[JobResult]:
+        """Queue a job. A threaded drafter starts it at once; an inline one (Core ML on the
+        caller's thread) runs it in `run_pending`."""
+
+    def run_pending(self) -> None:
+        """Run queued jobs now if this drafter runs on the caller's thread; else return."""
+
+    def reseed(self, seed: int | None) -> None:
+        """Seed the draft's own sampling (a generation's seed fixes the whole schedule)."""
+
+    def close(self) -> None:
+        """Stop the worker; idempotent."""

@@ -1,0 +1,94 @@
+"""Draft specs -> a DraftNet for a given target.
+
+- "default": the draft shipped for the default target when the target is the default model,
+  else the target's first layers ("self:2");
+- "self:N": the target's first N layers with its final norm and LM head (shared weights);
+- a folder written by `mirror-mlx distill` (config.json with format "mirror-mlx-draft");
+- anything `models.load` reads (GGUF, mlx-lm folder, hub id): a llama-style model whose
+  tokenizer must equal the target's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from ..errors import IncompatibleDraft, ModelLoadError
+from ..models.load import LoadedModel, load
+from ..models.split import ExitHead, check_splittable
+from .net import DraftNet
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+SHIPPED_DRAFT = ASSETS / "draft-smollm2-135m"
+SHIPPED_EXIT_HEAD = ASSETS / "exit-smollm2-135m.safetensors"
+DEFAULT_SELF_LAYERS = 2
+
+
+def vocab_fingerprint(tokenizer) -> str:
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    return hashlib.sha256(repr(vocab).encode()).hexdigest()[:16]
+
+
+def target_info(target: LoadedModel) -> dict:
+    return {"name": str(target.path.name), "vocab_size": target.vocab_size,
+            "vocab": vocab_fingerprint(target.tokenizer)}
+
+
+def load_draft(spec: str | None, target: LoadedModel) -> DraftNet:
+    spec = spec or "default"
+    if spec == "default":
+        if target.name == "default" and DraftNet.is_draft_folder(SHIPPED_DRAFT):
+            return _load_folder(SHIPPED_DRAFT, target)
+        spec = f"self:{DEFAULT_SELF_LAYERS}"
+    if spec.startswith("self:"):
+        try:
+            n = int(spec.split(":", 1)[1])
+        except ValueError:
+            n = 0
+        if not 0 < n <= target.num_layers:
+            raise ModelLoadError(f"draft '{spec}': N must be in 1..{target.num_layers}")
+        return DraftNet.from_llama(target.model, n, target_info(target))
+    if Path(spec).is_dir() and DraftNet.is_draft_folder(Path(spec)):
+        return _load_folder(Path(spec), target)
+    model = load(spec)
+    check_same_vocabulary(model, target)
+    if getattr(model.model, "model_type", None) not in ("llama", "mistral", "qwen2", "qwen3"):
+        raise ModelLoadError(f"draft '{spec}': only llama-style drafts are supported")
+    return DraftNet.from_llama(model.model, target_info=target_info(target))
+
+
+def _load_folder(folder: Path, target: LoadedModel) -> DraftNet:
+    net = DraftNet.load(folder, embedding=target.model.model.embed_tokens)
+    made_for = net.config.target.get("vocab")
+    if made_for and made_for != vocab_fingerprint(target.tokenizer):
+        raise IncompatibleDraft(
+            f"{folder}: this draft was trained for another vocabulary "
+            f"({net.config.target.get('name', '?')}), not {target.path.name}'s")
+    if net.config.vocab_size != target.vocab_size:
+        raise IncompatibleDraft(f"{folder}: draft vocabulary {net.config.vocab_size} tokens, "
+                                f"target {target.vocab_size}")
+    return net
+
+
+def check_same_vocabulary(draft: LoadedModel, target: LoadedModel) -> None:
+    a, b = draft.tokenizer.get_vocab(), target.tokenizer.get_vocab()
+    if a != b:
+        differ = sorted(set(a.items()) ^ set(b.items()), key=lambda kv: kv[1])[:1]
+        raise IncompatibleDraft(
+            f"the draft's vocabulary ({len(a)} tokens) differs from the target's "
+            f"({len(b)} tokens), e.g. at {differ[0] if differ else '?'}: speculative decoding "
+            "needs the same tokenizer")
+
+
+def load_exit_head(spec: str | None, target: LoadedModel) -> ExitHead | None:
+    """An exit head for Mirror-SD: a file, "none" (the raw logit lens), or "default" (the
+    shipped head when the target is the default model, else none)."""
+    check_splittable(target.model)
+    spec = spec or "default"
+    if spec == "none" or (spec == "default" and not (
+            target.name == "default" and SHIPPED_EXIT_HEAD.is_file())):
+        return None
+    path = SHIPPED_EXIT_HEAD if spec == "default" else Path(spec)
+    if not path.is_file():
+        raise ModelLoadError(f"{spec}: no such exit head file")
+    return ExitHead.load(path, target.model.args.hidden_size, target.num_layers)

@@ -1,0 +1,223 @@
+"""The draft network: a small llama-style decoder that takes explicit positions and an explicit
+attention mask, so one call can advance many branches laid out as a token tree.
+
+It reads the target's token embedding (shared, not stored), may be narrower than the target
+(an input projection bridges the widths), and may score only a subset of the vocabulary (the
+LM head dominates a small draft's cost: PLATFORM.md). A plain llama model (the target's first
+layers, or an mlx-lm / GGUF llama) converts into this form with `DraftNet.from_llama`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from ..errors import ModelLoadError
+
+FORMAT = "mirror-mlx-draft"
+
+
+@dataclass
+class DraftConfig:
+    hidden_size: int
+    num_layers: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # the input vocabulary: the target's
+    embed_size: int  # width of the (shared) input embedding
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    # Output vocabulary: token ids the head scores, in head order; empty = all of them.
+    head_tokens: list[int] = field(default_factory=list)
+    tie_head: bool = False  # head = the shared embedding (needs full vocab, same width)
+    shared_embedding: bool = True  # the input embedding is the target's, set at load time
+    target: dict = field(default_factory=dict)  # what it was made for (name, vocab fingerprint)
+
+    @property
+    def head_size(self) -> int:
+        return len(self.head_tokens) or self.vocab_size
+
+
+def rope(x: mx.array, positions: mx.array | int, base: float) -> mx.array:
+    """Rotary embedding at explicit positions: `positions` is an int (contiguous from there) or
+    an int32 array of shape (B, T) with one position per token."""
+    if isinstance(positions, int):
+        return mx.fast.rope(x, x.shape[-1], traditional=False, base=base, scale=1.0,
+                            offset=positions)
+    B, H, T, D = x.shape
+    # mx.fast.rope takes one offset per batch row: give every token a row of its own.
+    rows = x.transpose(0, 2, 1, 3).reshape(B * T, H, 1, D)
+    rows = mx.fast.rope(rows, D, traditional=False, base=base, scale=1.0,
+                        offset=positions.reshape(-1))
+    return rows.reshape(B, T, H, D).transpose(0, 2, 1, 3)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.base = c.rope_theta
+        self.scale = c.head_dim**-0.5
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=False)
+
+    def __call__(self, x, positions, mask, cache):
+        B, T, _ = x.shape
+        q = self.q_proj(x).reshape(B, T, self.n_heads, -1).transpose(0, 2, 1, 3)
+        k = self.k_proj(x).reshape(B, T, self.n_kv, -1).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(B, T, self.n_kv, -1).transpose(0, 2, 1, 3)
+        q, k = rope(q, positions, self.base), rope(k, positions, self.base)
+        if cache is not None:
+            k, v = cache.update_and_fetch(k, v)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def __call__(self, x):
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: DraftConfig):
+        super().__init__()
+        self.self_attn = Attention(c)
+        self.mlp = MLP(c)
+        self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+    def __call__(self, x, positions, mask, cache):
+        h = x + self.self_attn(self.input_layernorm(x), positions, mask, cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DraftNet(nn.Module):
+    def __init__(self, config: DraftConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.embed_size)
+        if config.embed_size != config.hidden_size:
+            self.in_proj = nn.Linear(config.embed_size, config.hidden_size, bias=False)
+        self.layers = [Block(config) for _ in range(config.num_layers)]
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if not config.tie_head:
+            self.head = nn.Linear(config.hidden_size, config.head_size, bias=False)
+        # Head index -> token id (identity when the head scores the whole vocabulary); the
+        # leading underscore keeps it out of the parameters.
+        self._head_ids = mx.array(config.head_tokens or list(range(config.vocab_size)), mx.int32)
+
+    @property
+    def head_ids(self) -> mx.array:
+        return self._head_ids
+
+    def hidden(self, tokens: mx.array, positions: mx.array | int, mask, cache=None) -> mx.array:
+        """Final-normed hidden states (B, T, hidden). `mask`: None, "causal", or a boolean
+        (B or 1, 1, T, cached + T) array, True where a token may attend."""
+        h = self.embed_tokens(tokens)
+        if "in_proj" in self:
+            h = self.in_proj(h)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions, mask, cache[i] if cache is not None else None)
+        return self.norm(h)
+
+    def logits(self, h: mx.array) -> mx.array:
+        """Scores over the head's vocabulary (see `head_ids`)."""
+        if self.config.tie_head:
+            return self.embed_tokens.as_linear(h)
+        return self.head(h)
+
+    def __call__(self, tokens, positions=0, mask="causal", cache=None) -> mx.array:
+        return self.logits(self.hidden(tokens, positions, mask, cache))
+
+    # -- conversion, saving and loading --
+
+    @staticmethod
+    def from_llama(model: nn.Module, num_layers: int | None = None,
+                   target_info: dict | None = None) -> DraftNet:
+        """A draft made of a llama model's first `num_layers` layers, its final norm and its
+        output layer, sharing (not copying) the weights."""
+        args = model.args
+        n = num_layers or len(model.layers)
+        tied = not hasattr(model, "lm_head")
+        config = DraftConfig(
+            hidden_size=args.hidden_size, num_layers=n,
+            intermediate_size=args.intermediate_size, num_heads=args.num_attention_heads,
+            num_kv_heads=args.num_key_value_heads,
+            head_dim=args.head_dim or args.hidden_size // args.num_attention_heads,
+            vocab_size=args.vocab_size, embed_size=args.hidden_size,
+            rms_norm_eps=args.rms_norm_eps, rope_theta=args.rope_theta, tie_head=tied,
+            target=target_info or {},
+        )
+        if getattr(args, "rope_scaling", None) or getattr(args, "rope_traditional", False):
+            raise ModelLoadError("drafts with rope scaling or traditional rope are not supported")
+        net = DraftNet(config)
+        net.embed_tokens = model.model.embed_tokens
+        net.norm = model.model.norm
+        if not tied:
+            net.head = model.lm_head
+        for mine, theirs in zip(net.layers, model.model.layers[:n]):
+            # Share the modules themselves, so quantized targets stay quantized.
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                setattr(mine.self_attn, name, getattr(theirs.self_attn, name))
+            mine.mlp = theirs.mlp
+            mine.input_layernorm = theirs.input_layernorm
+            mine.post_attention_layernorm = theirs.post_attention_layernorm
+        return net
+
+    def save(self, folder: str | Path) -> None:
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        skip = ("embed_tokens.",) if self.config.shared_embedding else ()
+        weights = {k: v for k, v in tree_flatten(self.parameters()) if not k.startswith(skip)}
+        mx.save_safetensors(str(folder / "weights.safetensors"), weights)
+        (folder / "config.json").write_text(
+            json.dumps({"format": FORMAT, **asdict(self.config)}, indent=1))
+
+    @staticmethod
+    def is_draft_folder(folder: Path) -> bool:
+        try:
+            return json.loads((folder / "config.json").read_text()).get("format") == FORMAT
+        except (OSError, ValueError):
+            return False
+
+    @staticmethod
+    def load(folder: str | Path, embedding: nn.Module | None = None) -> DraftNet:
+        """Load a saved draft; `embedding` is the target's token embedding when shared."""
+        folder = Path(folder)
+        try:
+            raw = json.loads((folder / "config.json").read_text())
+            raw.pop("format")
+            config = DraftConfig(**raw)
+            weights = mx.load(str(folder / "weights.safetensors"))
+        except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
+            raise ModelLoadError(f"{folder}: not a readable draft ({e})") from e
+        net = DraftNet(config)
+        if config.shared_embedding:
+            if embedding is None:
+                raise ModelLoadError(f"{folder}: this draft reads the target's embedding")
+            net.embed_tokens = embedding
+        try:
+            net.load_weights(list(weights.items()), strict=False)
+        except ValueError as e:
+            raise ModelLoadError(f"{folder}: weights do not match the config ({e})") from e
+        missing = {k for k, _ in tree_flatten(net.parameters())} - set(weights)
+        missing = {k for k in missing if not k.startswith("embed_tokens.")}
+        if missing:
+            raise ModelLoadError(f"{folder}: missing weights {sorted(missing)[:3]}")
+        mx.eval(net.parameters())
+        return net

@@ -1,0 +1,113 @@
+"""The target's forward pass split at an exit layer, and the early-exit readout.
+
+`prefix` + `suffix` computes exactly what mlx-lm's own forward computes (same modules, same
+mask), so verification through the split is the target itself. The exit readout turns the
+hidden state after layer l_e into top-kappa token guesses: optionally through a trained exit
+head (a tuned lens: one linear map), then the shared final norm and LM head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.base import create_attention_mask
+
+from ..errors import ModelLoadError
+
+SPLIT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def check_splittable(model: nn.Module) -> None:
+    inner = getattr(model, "model", None)
+    if getattr(model, "model_type", None) not in SPLIT_MODEL_TYPES or not all(
+        hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")
+    ):
+        raise ModelLoadError(
+            f"Mirror-SD needs the target's layers one by one; model type "
+            f"'{getattr(model, 'model_type', '?')}' is not supported for it "
+            f"(supported: {', '.join(SPLIT_MODEL_TYPES)})"
+        )
+
+
+@dataclass
+class Pass:
+    """One verification forward in progress: hidden state, mask and where it stands."""
+
+    h: mx.array
+    mask: object
+    cache: list
+
+
+def start(model: nn.Module, tokens: mx.array, cache: list) -> Pass:
+    h = model.model.embed_tokens(tokens)
+    return Pass(h, create_attention_mask(h, cache[0]), cache)
+
+
+def run_layers(model: nn.Module, p: Pass, begin: int, end: int) -> mx.array:
+    for layer, c in zip(model.model.layers[begin:end], p.cache[begin:end]):
+        p.h = layer(p.h, p.mask, cache=c)
+    return p.h
+
+
+def lm_head(model: nn.Module, h: mx.array) -> mx.array:
+    """Logits from a final-normed hidden state, through the target's own output layer."""
+    if hasattr(model, "lm_head"):
+        return model.lm_head(h)
+    return model.model.embed_tokens.as_linear(h)
+
+
+def final_logits(model: nn.Module, h: mx.array) -> mx.array:
+    return lm_head(model, model.model.norm(h))
+
+
+class ExitHead(nn.Module):
+    """Tuned lens at layer `layer`: h -> h + W h + b before the shared final norm and LM head
+    (zero W, b is the raw logit lens)."""
+
+    def __init__(self, layer: int, hidden: int):
+        super().__init__()
+        self.layer = layer
+        self.proj = nn.Linear(hidden, hidden)
+        self.proj.weight = mx.zeros((hidden, hidden))
+        self.proj.bias = mx.zeros((hidden,))
+
+    def __call__(self, model: nn.Module, h: mx.array) -> mx.array:
+        return final_logits(model, h + self.proj(h))
+
+    def save(self, path: str | Path) -> None:
+        mx.save_safetensors(str(path), {"weight": self.proj.weight, "bias": self.proj.bias},
+                            metadata={"layer": str(self.layer), "format": "mirror-mlx-exit"})
+
+    @staticmethod
+    def load(path: str | Path, hidden: int, num_layers: int) -> ExitHead:
+        try:
+            tensors, meta = mx.load(str(path), return_metadata=True)
+            layer = int(meta["layer"])
+            weight, bias = tensors["weight"], tensors["bias"]
+        except (OSError, RuntimeError, ValueError, KeyError) as e:
+            raise ModelLoadError(f"{path}: not an exit head file ({e})") from e
+        if weight.shape != (hidden, hidden) or bias.shape != (hidden,):
+            raise ModelLoadError(f"{path}: exit head is for hidden size {weight.shape[-1]}, "
+                                 f"the target's is {hidden}")
+        if not 0 < layer < num_layers:
+            raise ModelLoadError(f"{path}: exit layer {layer} is outside 1..{num_layers - 1}")
+        head = ExitHead(layer, hidden)
+        head.proj.weight, head.proj.bias = weight.astype(mx.float32), bias.astype(mx.float32)
+        return head
+
+
+def exit_logits(model: nn.Module, h: mx.array, head: ExitHead | None) -> mx.array:
+    """Early-exit logits at every position of `h` (the raw logit lens when `head` is None)."""
+    return head(model, h) if head is not None else final_logits(model, h)
+
+
+def top_k(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:
+    """Top-k ids and log-probabilities along the last axis, best first."""
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    ids = mx.argpartition(-logp, kth=k - 1, axis=-1)[..., :k]
+    vals = mx.take_along_axis(logp, ids, axis=-1)
+    order = mx.argsort(-vals, axis=-1)
+    return mx.take_along_axis(ids, order, axis=-1), mx.take_along_axis(vals, order, axis=-1)

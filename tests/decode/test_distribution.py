@@ -1,0 +1,129 @@
+"""Lossless, sampled: the sequences that speculative sampling and Mirror-SD produce follow the
+target's exact distribution (the same temperature / top-p / top-k applied to target and draft),
+and a deliberately wrong acceptance rule is caught by the same test.
+
+Small real models make the exact distribution enumerable: a 4-layer llama target and a
+different 2-layer draft over an 8-token vocabulary; three generated tokens, 512 outcomes."""
+
+import itertools
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import make_prompt_cache
+
+from mirror_mlx.decode.mirror import MirrorConfig, mirror
+from mirror_mlx.decode.sampling import Sampler, SamplingParams, distribution
+from mirror_mlx.decode.speculative import speculative
+from mirror_mlx.draft.mlx_draft import MLXDrafter
+from mirror_mlx.draft.net import DraftNet
+from mirror_mlx.measure.stats import GenerationStats
+
+VOCAB, STEPS, SAMPLES = 8, 3, 2000
+PROMPT = [1, 5, 2]
+PARAMS = SamplingParams(temperature=0.9, top_p=0.95, top_k=6)
+
+
+def tiny(seed: int, layers: int) -> llama.Model:
+    mx.random.seed(seed)
+    args = llama.ModelArgs(model_type="llama", hidden_size=32, num_hidden_layers=layers,
+                           intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-5, vocab_size=VOCAB, max_position_embeddings=64)
+    model = llama.Model(args)
+    mx.eval(model.parameters())
+    return model
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny(1, 4)
+    drafter = MLXDrafter(DraftNet.from_llama(tiny(2, 2)))
+    yield target, drafter
+    drafter.close()
+
+
+def exact(target, params) -> np.ndarray:
+    """P(t1, t2, t3 | PROMPT) for all 512 continuations, from the target alone."""
+    seqs = np.array([PROMPT + list(c) for c in itertools.product(range(VOCAB), repeat=STEPS)])
+    logits = target(mx.array(seqs))
+    n = len(PROMPT)
+    probs = np.array(distribution(logits[:, n - 1 : n - 1 + STEPS], params))
+    picked = np.take_along_axis(probs, seqs[:, n:, None], axis=-1)[..., 0]
+    return picked.prod(axis=-1)
+
+
+def draw(decode, target, drafter, params, accept=None) -> np.ndarray:
+    counts = np.zeros(VOCAB**STEPS)
+    cache = make_prompt_cache(target)
+    target(mx.array([PROMPT[:-1]]), cache=cache)
+    for i in range(SAMPLES):
+        for c in cache:
+            c.trim(c.offset - (len(PROMPT) - 1))
+        sampler = Sampler(SamplingParams(**{**params.__dict__, "seed": 2 * i}))
+        drafter.reseed(2 * i)
+        kwargs = {"accept": accept} if accept else {}
+        out = []
+        for step in decode(target, cache, drafter, list(PROMPT), sampler, GenerationStats(),
+                           **kwargs):
+            out += step
+            if len(out) >= STEPS:
+                break
+        index = 0
+        for t in out[:STEPS]:
+            index = index * VOCAB + t
+        counts[index] += 1
+    return counts
+
+
+def chi_square_rejects(counts: np.ndarray, probs: np.ndarray) -> tuple[bool, float, float]:
+    """Pearson's test at p = 0.001, pooling cells expected below 5."""
+    expected = probs * counts.sum()
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    keep = exp > 0
+    stat = float((((obs - exp) ** 2)[keep] / exp[keep]).sum())
+    df = int(keep.sum()) - 1
+    z = 3.09  # one-sided 0.001; Wilson-Hilferty approximation of the chi-square quantile
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    if (counts[probs == 0] > 0).any():
+        return True, math.inf, critical  # an impossible outcome was produced
+    return stat > critical, stat, critical
+
+
+def sd(target, cache, drafter, committed, sampler, stats, **kw):
+    return speculative(target, cache, drafter, committed, sampler, stats, gamma=2, limit=64,
+                       **kw)
+
+
+def mirror_sd(target, cache, drafter, committed, sampler, stats, **kw):
+    config = MirrorConfig(gamma=2, kappa=3, exit_layer=2, budget=2, source="union")
+    return mirror(target, cache, drafter, committed, sampler, stats, config, 64, **kw)
+
+
+@pytest.mark.parametrize("decode", [sd, mirror_sd], ids=["sd", "mirror"])
+def test_sampled_sequences_follow_the_target_distribution(models, decode):
+    target, drafter = models
+    probs = exact(target, PARAMS)
+    assert probs.max() < 0.5 and (probs > 1e-3).sum() > 30, "a degenerate test distribution"
+    rejected, stat, critical = chi_square_rejects(draw(decode, target, drafter, PARAMS), probs)
+    assert not rejected, f"chi2 {stat:.1f} > {critical:.1f}"
+
+
+def wrong_accept(p, q, drafts, uniform, draw_token):
+    """Accepts a draft with probability p(x), ignoring q: biased toward the draft."""
+    for i, x in enumerate(drafts):
+        if uniform() < p[i, x]:
+            continue
+        return i, draw_token(p[i])
+    return len(drafts), draw_token(p[len(drafts)])
+
+
+def test_a_wrong_acceptance_rule_is_rejected(models):
+    target, drafter = models
+    probs = exact(target, PARAMS)
+    rejected, stat, critical = chi_square_rejects(
+        draw(sd, target, drafter, PARAMS, accept=wrong_accept), probs)
+    assert rejected, f"the wrong rule passed: chi2 {stat:.1f} <= {critical:.1f}"

@@ -1,0 +1,83 @@
+"""Mirror-SD's paths on the real target: reuse of the early rollout, of a branch at the first
+and at a later position, and fallback; the caches stay consistent; the overlap is real."""
+
+from collections import Counter
+
+import pytest
+
+from mirror_mlx.api import Engine
+from tests.prompts import PROMPTS
+
+
+def outcomes(engine) -> Counter:
+    """How each step ended: early, branch:first (A = 0), branch:later (A > 0), fallback."""
+    kinds = Counter()
+    for label, _, _ in engine.session.timeline:
+        if label.startswith("outcome:"):
+            kind = label.removeprefix("outcome:")
+            if kind.startswith("branch:"):
+                kind = "branch:first" if kind == "branch:0" else "branch:later"
+            kinds[kind] += 1
+    return kinds
+
+
+@pytest.fixture(scope="module")
+def reference(target):
+    engine = Engine(target)
+    return {p: engine.generate(p, max_tokens=32).token_ids for p in PROMPTS[:3]}
+
+
+def test_every_path_taken_and_tokens_identical(target, reference):
+    seen = Counter()
+    # A draft equal to the target is always right (early reuse); a draft of 27 of the 30
+    # layers is right sometimes (branch hits at several positions, and fallbacks).
+    for draft in ("self:30", "self:27"):
+        with Engine(target, mode="mirror", draft=draft, kappa=8, branch_budget=4) as engine:
+            for prompt, expected in reference.items():
+                engine.session.reset()
+                engine.session.timeline = []
+                assert engine.generate(prompt, max_tokens=32).token_ids == expected
+                seen += outcomes(engine)
+                labels = [label for label, _, _ in engine.session.timeline]
+                assert sum(label.startswith("outcome:") for label in labels) > 0
+    # Each step ends in exactly one of: early reuse, branch reuse at A = 0, at A > 0, fallback.
+    for kind in ("early", "branch:first", "branch:later", "fallback"):
+        assert seen[kind] > 0, seen
+
+
+def test_caches_consistent_across_turns(target):
+    """Generation after generation in one session (cache reuse, rollbacks, reused branches)
+    equals target-only decoding of the whole conversation from scratch."""
+    messages = []
+    with Engine(target, mode="mirror", draft="self:27") as engine:
+        for turn in ("Name a planet.", "Is it bigger than Earth?", "Name another one."):
+            messages.append({"role": "user", "content": turn})
+            result = engine.generate(messages, max_tokens=20)
+            session = engine.session
+            assert session.cache[0].offset == len(session.tokens)
+            ids = engine.encode(messages)
+            assert session.tokens == (ids + result.token_ids)[: len(session.tokens)]
+            fresh = Engine(target).generate(messages, max_tokens=20)
+            assert result.token_ids == fresh.token_ids
+            messages.append({"role": "assistant", "content": result.text})
+
+
+def test_draft_work_overlaps_the_target(target):
+    with Engine(target, mode="mirror", draft="self:6", branch_budget=4) as engine:
+        engine.session.timeline = []
+        stats = engine.generate(PROMPTS[0], max_tokens=24).stats
+        spans = {}
+        for label, start, end in engine.session.timeline:
+            spans.setdefault(label, []).append((start, end))
+
+    def overlap(a, b):
+        return sum(max(0.0, min(x[1], y[1]) - max(x[0], y[0])) for x in a for y in b)
+
+    # Branch rollouts run while the target's suffix runs; the early rollout beside its prefix.
+    assert overlap(spans["draft_branches"], spans["target_suffix"]) > 0
+    assert overlap(spans["draft_early"], spans["target_prefix"]) > 0
+    hidden = overlap(spans["draft_branches"] + spans["draft_early"],
+                     spans["target_prefix"] + spans["target_suffix"])
+    busy = sum(e - s for s, e in spans["draft_branches"] + spans["draft_early"])
+    assert hidden / busy > 0.5, f"only {hidden / busy:.0%} of the draft work was hidden"
+    assert stats.overlap_fraction > 0.3

@@ -1,0 +1,67 @@
+"""The draft's token-tree cache against plain generation: a draft equal to the target must draft
+exactly the target's greedy tokens, whatever the job reuses, branches or rolls back."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+
+from mirror_mlx.draft.base import Job
+from mirror_mlx.draft.mlx_draft import MLXDrafter
+from mirror_mlx.draft.net import DraftNet
+
+
+@pytest.fixture(scope="module")
+def setup(target):
+    drafter = MLXDrafter(DraftNet.from_llama(target.model))  # all layers: the target itself
+    yield target, drafter
+    drafter.close()
+
+
+def greedy(target, seq, n):
+    return [t for t, _ in generate_step(mx.array(seq), target.model, max_tokens=n)]
+
+
+def test_draft_equal_to_target_drafts_greedy_tokens(setup):
+    target, drafter = setup
+    C = target.tokenizer.encode("The three largest rivers in Europe are")
+    D = drafter.submit(Job([C], 5)).result().rollouts[0].tokens
+    assert D == greedy(target, C, 5)
+
+    # The first job of a step continues the window; a second adds branches beside it.
+    early = drafter.submit(Job([C + D], 6, label="early")).result()
+    assert early.rollouts[0].tokens == greedy(target, C + D, 6)
+    assert early.reused_tokens == len(C) + 4  # all but the window's last token were cached
+    branches = [C + D[:r] + [v] for r, v in [(0, 100), (2, 200), (5, 300), (4, 17)]]
+    late = drafter.submit(Job(branches, 5, compact=False)).result()
+    for seq, rollout in zip(branches, late.rollouts):
+        assert rollout.tokens == greedy(target, seq, 5)
+
+    # Outcome (2, 200): the branch's rollout becomes the main line, nothing is recomputed.
+    C2, D2 = C + D[:2] + [200], late.rollouts[1].tokens
+    step = drafter.submit(Job([C2 + D2], 4)).result()
+    assert step.rollouts[0].tokens == greedy(target, C2 + D2, 4)
+    assert step.reused_tokens == len(C2 + D2) - 1 and step.fed_tokens == 4
+
+    # Outcome "all accepted, then the draft's own guess": the early rollout is reused.
+    guess = step.rollouts[0].tokens[0]
+    C3, D3 = C2 + D2 + [guess], step.rollouts[0].tokens[1:]
+    again = drafter.submit(Job([C3 + D3], 3)).result()
+    assert again.rollouts[0].tokens == greedy(target, C3 + D3, 3)
+    assert again.reused_tokens == len(C3 + D3) - 1
+
+    # Roll back to a shorter, different context.
+    back = drafter.submit(Job([C + [5, 6]], 3)).result()
+    assert back.rollouts[0].tokens == greedy(target, C + [5, 6], 3)
+    assert back.reused_tokens == len(C)
+
+
+def test_cancelled_job_stops_early(setup):
+    import threading
+
+    target, drafter = setup
+    stop = threading.Event()
+    stop.set()
+    C = target.tokenizer.encode("Once upon a time")
+    result = drafter.submit(Job([C], 8, cancel=stop)).result()
+    assert result.rollouts[0].tokens == []
+    assert drafter.submit(Job([C], 3)).result().rollouts[0].tokens == greedy(target, C, 3)

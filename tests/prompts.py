@@ -1,0 +1,26 @@
+"""Prompts written for the tests (not Spec-Bench, which is kept for benchmarks)."""
+
+PROMPTS = [
+    "Explain how a binary search works, step by step.",
+    "Write a short poem about autumn leaves.",
+    "What is the capital of Australia, and why was it chosen?",
+    "List five tips for staying focused while studying.",
+    "Translate 'Good morning, how are you?' into French and Spanish.",
+    "Write a Python function that reverses a linked list.",
+    "Summarize the water cycle in three sentences.",
+    "What are the main differences between cats and dogs as pets?",
+    "Give me a recipe for a simple tomato soup.",
+    "Solve: if 3x + 7 = 22, what is x? Show your work.",
+    "Describe the plot of a heist movie you would like to see.",
+    "Why is the sky blue? Answer for a ten-year-old.",
+    "Write an email asking a colleague to reschedule a meeting.",
+    "What are prime numbers? Give the first ten.",
+    "Compare renewable and non-renewable energy sources.",
+    "Tell me a joke about computers.",
+    "How do vaccines train the immune system?",
+    "Write a haiku about the ocean at night.",
+    "What should I pack for a three-day hiking trip?",
+    "Explain recursion using a real-world analogy.",
+    "Name three famous painters and one work by each.",
+    "What is the difference between weather and climate?",
+]
