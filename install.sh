@@ -18,6 +18,17 @@ if [[ "$(uname -s)" == Linux ]] && ! ldconfig -p 2>/dev/null | grep -q 'libopenb
   fi
 fi
 
+# The desktop chat test draws its window on a virtual X display.
+if [[ -n "$extras" && "$(uname -s)" == Linux ]] && ! command -v Xvfb >/dev/null; then
+  if [[ ${EUID:-$(id -u)} -eq 0 ]] && command -v apt-get >/dev/null; then
+    xvfb="xvfb fonts-dejavu-core"
+    apt-get install -y -q --no-install-recommends $xvfb >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $xvfb >/dev/null; }
+  else
+    echo "note: the desktop chat test needs Xvfb (sudo apt-get install xvfb); skipped without" >&2
+  fi
+fi
+
 python3 -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -e ".${extras}"
 .venv/bin/mirror-mlx download >/dev/null

@@ -19,12 +19,12 @@ import time
 
 
 def measure(model_spec: str | None, prompt_tokens: int, decode_tokens: int) -> dict:
-    import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
-
     import mirror_mlx  # noqa: F401  (BLAS choice happens here)
     from mirror_mlx.models.load import load
     from mirror_mlx.platform import blas_description
+
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
 
     target = load(model_spec, quiet=True)
     model = target.model

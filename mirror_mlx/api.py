@@ -1,23 +1,29 @@
-"""The public Engine: load once, then generate, stream or chat."""
+"""The public Engine: load once, then generate, stream or chat; cancel from any thread; one
+generation at a time per engine, later calls queued in arrival order."""
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from jinja2 import TemplateError
 
 from .decode.mirror import MirrorConfig
 from .decode.sampling import SamplingParams
-from .draft.load import load_draft, load_exit_head
-from .draft.mlx_draft import MLXDrafter
-from .errors import InvalidParameter
+from .draft.load import load_exit_head
+from .draft.select import make_drafter
+from .errors import EngineBusy, EngineClosed, InvalidParameter
 from .measure.stats import GenerationStats
 from .models.load import LoadedModel, load
 from .session import Chunk, DecodeSettings, Session
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
+ROLES = ("system", "user", "assistant")
+Prompt = str | Sequence[Message] | Sequence[int]
 
 
 @dataclass
@@ -26,9 +32,89 @@ class Result:
     token_ids: list[int]
     stats: GenerationStats
 
+    @property
+    def message(self) -> Message:
+        """The reply as a chat message, ready to append to the conversation."""
+        return {"role": "assistant", "content": self.text}
+
+
+def model_name(target: LoadedModel) -> str:
+    """A short name for the target: its file or folder name, or a hub id's last part."""
+    spec = target.path if target.name == "default" else Path(target.name)
+    return spec.stem if spec.suffix == ".gguf" else spec.name
+
+
+def check_messages(messages: Sequence[Message]) -> None:
+    """Chat messages are a non-empty list of {"role", "content"} with a known role and text."""
+    if not messages:
+        raise InvalidParameter("messages is empty")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise InvalidParameter(f"messages[{i}] must be an object with 'role' and 'content'")
+        if m.get("role") not in ROLES:
+            raise InvalidParameter(f"messages[{i}].role must be one of {', '.join(ROLES)} "
+                                   f"(got {m.get('role')!r})")
+        if not isinstance(m.get("content"), str):
+            raise InvalidParameter(f"messages[{i}].content must be a string")
+
+
+class _Turns:
+    """One holder at a time; the others wait in arrival order (a plain Lock is not fair, and a
+    server's requests should not overtake each other)."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._line: deque[object] = deque()  # tickets of the waiting callers, oldest first
+        self.holder: int | None = None  # thread id
+        self.running: threading.Event | None = None  # the holder's cancel event
+
+    def enter(self, wait: float | None, cancel: threading.Event | None) -> bool:
+        """Take the turn; False when `cancel` was set while waiting. Raises EngineBusy when
+        `wait` seconds pass first, or when this thread already holds the turn (waiting would
+        deadlock: a stream on this thread is still open)."""
+        me, ticket = threading.get_ident(), object()
+        with self._cond:
+            if self.holder == me:
+                raise EngineBusy("this thread is already generating on this engine: finish or "
+                                 "close that stream first")
+            self._line.append(ticket)
+            deadline = None if wait is None else time.monotonic() + wait
+            try:
+                while self.holder is not None or self._line[0] is not ticket:
+                    if cancel is not None and cancel.is_set():
+                        return False
+                    left = None if deadline is None else deadline - time.monotonic()
+                    if left is not None and left <= 0:
+                        raise EngineBusy("the engine is busy with another generation "
+                                         f"(waited {wait:g} s)")
+                    # A cancel event cannot wake a Condition: look at it a few times a second.
+                    self._cond.wait(0.05 if left is None else min(left, 0.05))
+            finally:
+                self._line.remove(ticket)
+                self._cond.notify_all()
+            # `running` first: whoever sees the engine busy can cancel what runs.
+            self.running = cancel
+            self.holder = me
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self.holder = None
+            self.running = None
+            self._cond.notify_all()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._line)
+
 
 class Engine:
     """A loaded target, and a draft for the speculative modes, with one conversation session.
+
+    One generation runs at a time: a call made while another runs waits for its turn (in
+    arrival order) for up to `wait` seconds, then raises EngineBusy; `wait=0` refuses at once.
+    `cancel()` stops the running generation from any thread. Several engines may share one
+    LoadedModel (e.g. one per mode); each keeps its own session and draft.
 
     >>> engine = Engine()                      # the default model, target-only
     >>> engine = Engine(mode="mirror")         # Mirror-SD with the default draft
@@ -40,10 +126,13 @@ class Engine:
                  gamma: int = 5, kappa: int = 8, exit_layer: int | None = None,
                  exit_head: str | None = None, branch_budget: int = 4,
                  branch_source: str = "union", quiet: bool = False):
+        self._turns = _Turns()
+        self._closed = False
+        self._closing = threading.Lock()
+        self.drafter = None
         if not isinstance(model, LoadedModel):
             model = load(model, dtype=dtype, quiet=quiet)
         self.target = model
-        self.drafter = None
         head = load_exit_head(exit_head, model) if mode == "mirror" else None
         layer = head.layer if head else exit_layer or round(model.num_layers * 5 / 6)
         settings = DecodeSettings(mode, gamma, MirrorConfig(
@@ -51,15 +140,59 @@ class Engine:
             source=branch_source, exit_head=head))
         settings.check(model.num_layers)
         if mode != "ar":
-            self.drafter = MLXDrafter(load_draft(draft, model))
+            self.drafter = make_drafter(draft, model)
+            if self.drafter.context is not None:
+                # The draft's cache also holds the window and the branches rolled out beside it.
+                room = self.drafter.context - (branch_budget + 1) * (2 * gamma + 2)
+                context = min(context or model.context_length, room)
         try:
             self.session = Session(self.target, context, self.drafter, settings)
         except BaseException:
-            self.close()
+            self._release()
             raise
 
+    @property
+    def mode(self) -> str:
+        return self.session.settings.mode
+
+    @property
+    def tokenizer(self):
+        return self.target.tokenizer
+
+    @property
+    def busy(self) -> bool:
+        """A generation holds the engine."""
+        return self._turns.holder is not None
+
+    @property
+    def waiting(self) -> int:
+        """Calls waiting for their turn behind the running one."""
+        return self._turns.waiting
+
+    def cancel(self) -> None:
+        """Stop the running generation (from any thread); it ends after its current step with
+        finish_reason "cancelled". Waiting calls still run; a no-op when nothing runs."""
+        running = self._turns.running
+        if running is not None:
+            running.set()
+
     def close(self) -> None:
-        """Stop the draft's worker. The engine cannot generate afterwards."""
+        """Cancel the running generation, wait for it to end, and stop the draft's worker.
+        Idempotent; later generation calls raise EngineClosed."""
+        with self._closing:
+            if self._closed:
+                return
+            self._closed = True
+        self.cancel()
+        if self._turns.holder == threading.get_ident():
+            return  # closed from inside a stream on this thread: its end releases the draft
+        self._turns.enter(None, None)
+        try:
+            self._release()
+        finally:
+            self._turns.leave()
+
+    def _release(self) -> None:
         if self.drafter is not None:
             self.drafter.close()
 
@@ -69,21 +202,24 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    @property
-    def tokenizer(self):
-        return self.target.tokenizer
-
-    def encode(self, prompt: str | Sequence[Message] | Sequence[int],
-               chat_template: bool = True) -> list[int]:
+    def encode(self, prompt: Prompt, chat_template: bool = True) -> list[int]:
         """Token ids for a prompt: text (wrapped in the chat template as one user turn unless
         `chat_template=False`), a list of chat messages, or ids as they are."""
         if isinstance(prompt, str):
             if not chat_template or self.tokenizer.chat_template is None:
                 return self.tokenizer.encode(prompt)
             prompt = [{"role": "user", "content": prompt}]
+        if not isinstance(prompt, Sequence):
+            raise InvalidParameter("a prompt is text, a list of chat messages or token ids "
+                                   f"(got {type(prompt).__name__})")
         prompt = list(prompt)
-        if prompt and all(isinstance(t, int) for t in prompt):
+        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            bad = [t for t in prompt if not 0 <= t < self.target.vocab_size]
+            if bad:
+                raise InvalidParameter(f"token id {bad[0]} is outside the vocabulary "
+                                       f"(0..{self.target.vocab_size - 1})")
             return prompt
+        check_messages(prompt)
         if self.tokenizer.chat_template is None:
             raise InvalidParameter(f"{self.target.name} has no chat template; pass plain text")
         try:
@@ -93,19 +229,51 @@ class Engine:
             raise InvalidParameter(f"the chat template of {self.target.name} failed: {e}") from e
         return self.tokenizer.encode(text, add_special_tokens=False)
 
-    def stream(self, prompt: str | Sequence[Message] | Sequence[int], *,
-               max_tokens: int = 256, sampling: SamplingParams | None = None,
-               stop: Sequence[str] = (), chat_template: bool = True,
-               cancel: threading.Event | None = None) -> Iterator[Chunk]:
+    def stream(self, prompt: Prompt, *, max_tokens: int = 256,
+               sampling: SamplingParams | None = None, stop: Sequence[str] = (),
+               chat_template: bool = True, cancel: threading.Event | None = None,
+               wait: float | None = None) -> Iterator[Chunk]:
+        """Stream the reply: chunks of text with their token ids; the last chunk carries the
+        stats. The prompt is encoded now; the generation takes its turn (waiting up to `wait`
+        seconds, None = as long as it takes) when iteration starts, and holds the engine until
+        the stream is exhausted or closed. Setting `cancel` stops it, also while it waits for
+        its turn; `engine.cancel()` stops it once it runs."""
+        if self._closed:
+            raise EngineClosed("the engine is closed")
         ids = self.encode(prompt, chat_template)
-        yield from self.session.generate(ids, max_tokens=max_tokens,
-                                         sampling=sampling or SamplingParams(), stop=stop,
-                                         cancel=cancel)
+        self.session.check(ids, max_tokens)
+        return self._run(ids, max_tokens, sampling or SamplingParams(), tuple(stop),
+                         cancel or threading.Event(), wait)
 
-    def generate(self, prompt: str | Sequence[Message] | Sequence[int], **kwargs) -> Result:
+    def _run(self, ids, max_tokens, sampling, stop, cancel, wait) -> Iterator[Chunk]:
+        if not self._turns.enter(wait, cancel):
+            yield Chunk("", [], GenerationStats(mode=self.mode, prompt_tokens=len(ids),
+                                                finish_reason="cancelled"))
+            return
+        try:
+            if self._closed:
+                raise EngineClosed("the engine was closed")
+            yield from self.session.generate(ids, max_tokens=max_tokens, sampling=sampling,
+                                             stop=stop, cancel=cancel)
+        finally:
+            self._turns.leave()
+            if self._closed:
+                self._release()
+
+    def generate(self, prompt: Prompt, **kwargs) -> Result:
+        """The whole reply at once; takes the keyword arguments of `stream`."""
         text, ids, stats = [], [], None
         for chunk in self.stream(prompt, **kwargs):
             text.append(chunk.text)
             ids.extend(chunk.token_ids)
             stats = chunk.stats or stats
         return Result("".join(text), ids, stats)
+
+    def chat(self, messages: Sequence[Message], **kwargs) -> Result:
+        """Messages in, the assistant's reply out (`result.message`); takes the keyword
+        arguments of `stream`. The session's cache keeps the conversation, so appending the
+        reply and the next user message reuses everything before them."""
+        if isinstance(messages, str) or not isinstance(messages, Sequence):
+            raise InvalidParameter("chat takes a list of messages; use generate for text")
+        check_messages(messages)
+        return self.generate(messages, **kwargs)

@@ -133,8 +133,8 @@ def _reply(engine, ids, sampling, max_tokens, stop, cancel) -> tuple[str, Genera
     pieces: list[str] = []
     stats = None
     try:
-        for chunk in engine.session.generate(ids, max_tokens=max_tokens, sampling=sampling,
-                                             stop=stop, cancel=cancel):
+        for chunk in engine.stream(ids, max_tokens=max_tokens, sampling=sampling,
+                                   stop=stop, cancel=cancel):
             print(chunk.text, end="", flush=True)
             pieces.append(chunk.text)
             stats = chunk.stats or stats

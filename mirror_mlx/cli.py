@@ -77,6 +77,87 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("download", help="fetch a model into the cache (default: the default model)")
     p.add_argument("--model", default=None)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, ...)")
+    _model_args(p)
+    _decoding_args(p)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; anything but 127.0.0.1 exposes the model")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--max-tokens", type=int, default=512,
+                   help="reply length for requests that give no max_tokens")
+
+    p = sub.add_parser("bench", help="every decoding mode side by side with mlx-lm: speed, "
+                                     "energy, JSON + Markdown + plots")
+    p.add_argument("--target", default=None, help="target model spec (as --model elsewhere)")
+    p.add_argument("--dtype", default="auto", help="as for generate")
+    p.add_argument("--draft", default=None, help="draft spec for the speculative modes")
+    p.add_argument("--prompts", default="builtin",
+                   help="'builtin' or a Spec-Bench-format JSONL file "
+                        "(question_id, category, turns)")
+    p.add_argument("--per-category", type=int, default=None,
+                   help="keep the first N questions of each category")
+    p.add_argument("--modes", default="ar,sd,mirror,mlx-lm,mlx-lm-sd",
+                   help="comma-separated, from ar, sd, mirror, mlx-lm, mlx-lm-sd")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 is greedy")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--gamma", type=int, default=5, help="drafted tokens per step")
+    p.add_argument("--energy", default="auto",
+                   help="auto, ioreport, powermetrics, rapl or none")
+    p.add_argument("--energy-seconds", type=float, default=20.0,
+                   help="length of each mode's energy window (and of the idle baseline)")
+    p.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md, plots")
+
+    p = sub.add_parser("export-draft", help="export a draft to a Core ML package for the "
+                                            "Neural Engine (needs the export extra)")
+    p.add_argument("--model", default=None, help="the target the draft serves (as for generate)")
+    p.add_argument("--draft", default=None, help="the draft (as for generate; default: default)")
+    p.add_argument("--out", required=True, help="the package to write, X.mlpackage")
+    p.add_argument("--context", type=int, default=2048, help="KV slots in the package's state")
+    p.add_argument("--max-branch-tokens", type=int, default=32,
+                   help="most tokens one call takes (query lengths 1, 2, 4, ... up to this)")
+    p.add_argument("--compress", default="none",
+                   choices=("none", "int8", "palettize4", "palettize6", "palettize8"),
+                   help="weight compression: int8 per channel, or k-means palettes of N bits")
+
+    p = sub.add_parser("inspect", help="list a Core ML package's inputs, outputs, states, ops "
+                                       "and Neural Engine warnings")
+    p.add_argument("package", help="X.mlpackage")
+
+    p = sub.add_parser("distill", help="train a draft for a target from the target's own "
+                                       "samples (resumable)")
+    p.add_argument("--target", default=None, help="target model spec (as --model elsewhere)")
+    p.add_argument("--out", required=True, help="work folder: data/, checkpoint/, draft/")
+    p.add_argument("--conversations", type=int, default=4000,
+                   help="prompts to sample responses for (passages and follow-ups add more)")
+    p.add_argument("--prompts", default=None,
+                   help="a file of prompts, one per line (default: generated prompts)")
+    p.add_argument("--layers", type=int, default=3, help="draft layers (from the target's)")
+    p.add_argument("--head-tokens", type=int, default=8192,
+                   help="output vocabulary: the target's most used tokens")
+    p.add_argument("--epochs", type=float, default=2.0)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--batch", type=int, default=8, help="training sequences per step")
+    p.add_argument("--seq-len", type=int, default=384)
+    p.add_argument("--max-new", type=int, default=200, help="longest sampled response")
+    p.add_argument("--sample-batch", type=int, default=48, help="sequences sampled at once")
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("distill-exit", help="train the early-exit head (tuned lens) and report "
+                                            "per-layer top-kappa coverage")
+    p.add_argument("--target", default=None, help="target model spec")
+    p.add_argument("--layer", default="auto",
+                   help="exit layer, or 'auto': train at several and keep the shallowest "
+                        "that reaches --coverage")
+    p.add_argument("--kappa", type=int, default=8)
+    p.add_argument("--data", required=True,
+                   help="a distill work folder (its data/ is reused) or a folder to sample into")
+    p.add_argument("--conversations", type=int, default=1500,
+                   help="prompts to sample when --data has no samples yet")
+    p.add_argument("--out", required=True, help="the exit head file to write (.safetensors)")
+    p.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -148,8 +229,86 @@ def cmd_download(args) -> None:
     print(model.path)
 
 
+def cmd_serve(args) -> None:
+    from apps.server.app import serve
+
+    with _engine(args) as engine:
+        serve(engine, args.host, args.port, max_tokens=args.max_tokens)
+
+
+def cmd_bench(args) -> None:
+    import shlex
+    from pathlib import Path
+
+    from .measure.bench import BenchConfig
+    from .measure.command import bench_command
+
+    config = BenchConfig(modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+                         max_tokens=args.max_tokens, temperature=args.temp,
+                         repeats=args.repeats, gamma=args.gamma, seed=args.seed,
+                         draft=args.draft, energy_seconds=args.energy_seconds)
+    out = Path(args.out)
+    bench_command(args.target, args.prompts, config, out, energy=args.energy,
+                  per_category=args.per_category, dtype=args.dtype,
+                  command="mirror-mlx bench " + " ".join(
+                      f"--{k.replace('_', '-')} {shlex.quote(str(v))}"
+                      for k, v in vars(args).items() if k != "command" and v is not None))
+    print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and plots")
+
+
+def cmd_export_draft(args) -> None:
+    try:
+        from coreml_export.convert import export_command
+    except ImportError as e:
+        raise MirrorError(f"export needs torch and coremltools: pip install "
+                          f"'mirror-mlx[export]' ({e})") from e
+    print("\n".join(export_command(args.model, args.draft, args.out, context=args.context,
+                                   max_branch_tokens=args.max_branch_tokens,
+                                   compress=args.compress)))
+
+
+def cmd_inspect(args) -> None:
+    from coreml_export.inspect import inspect_command
+
+    print("\n".join(inspect_command(args.package)))
+
+
+def cmd_distill(args) -> None:
+    from pathlib import Path
+
+    from .models.load import load
+    from .train.distill import TrainConfig, run_distill
+
+    cfg = TrainConfig(layers=args.layers, head_tokens=args.head_tokens, seq_len=args.seq_len,
+                      batch=args.batch, epochs=args.epochs, lr=args.lr, seed=args.seed)
+    target = load(args.target, dtype="float32")
+    report = run_distill(target, Path(args.out), cfg, args.conversations, args.max_new,
+                         args.sample_batch, Path(args.prompts) if args.prompts else None)
+    print(json.dumps(report, indent=1))
+    print(f"draft written to {Path(args.out) / 'draft'}", file=sys.stderr)
+
+
+def cmd_distill_exit(args) -> None:
+    from pathlib import Path
+
+    from .errors import InvalidParameter
+    from .models.load import load
+    from .train.exit_head import format_table, run_distill_exit
+
+    if args.layer != "auto" and not args.layer.isdigit():
+        raise InvalidParameter(f"--layer must be a number or 'auto' (got '{args.layer}')")
+    target = load(args.target, dtype="float32")
+    table = run_distill_exit(target, Path(args.data), Path(args.out),
+                             None if args.layer == "auto" else int(args.layer), args.kappa,
+                             args.conversations, args.seed)
+    print(format_table(table, args.kappa))
+    print(f"exit head written to {args.out}", file=sys.stderr)
+
+
 COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "doctor": cmd_doctor,
-            "download": cmd_download}
+            "download": cmd_download, "serve": cmd_serve, "bench": cmd_bench,
+            "export-draft": cmd_export_draft, "inspect": cmd_inspect,
+            "distill": cmd_distill, "distill-exit": cmd_distill_exit}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,3 +19,19 @@ class PromptTooLong(MirrorError):
 
 class IncompatibleDraft(MirrorError):
     """A draft that cannot serve a target (vocabulary or tokenizer mismatch)."""
+
+
+class EngineBusy(MirrorError):
+    """Another generation held the engine longer than the caller's `wait`."""
+
+
+class EngineClosed(MirrorError):
+    """The engine was closed; it cannot generate any more."""
+
+
+class PromptFileError(MirrorError):
+    """A prompt file that is missing or not in Spec-Bench format."""
+
+
+class MissingExtra(MirrorError):
+    """An optional dependency that a command needs is not installed."""

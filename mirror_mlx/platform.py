@@ -51,6 +51,20 @@ def _load_openblas() -> tuple[str | None, str]:
 OPENBLAS_PATH, _NO_OPENBLAS_REASON = _load_openblas()
 
 
+def set_blas_threads(n: int) -> bool:
+    """Threads per OpenBLAS call (process-wide). With a draft computing on the other core at
+    the same time, one thread each avoids two callers queueing on one thread pool. Returns
+    False where the BLAS is not OpenBLAS."""
+    if not OPENBLAS_PATH:
+        return False
+    ctypes.CDLL(OPENBLAS_PATH).openblas_set_num_threads(int(n))
+    return True
+
+
+if os.environ.get("MIRROR_MLX_BLAS_THREADS", "").isdigit():
+    set_blas_threads(int(os.environ["MIRROR_MLX_BLAS_THREADS"]))
+
+
 def blas_description() -> str:
     if sys.platform == "darwin":
         return "Accelerate"

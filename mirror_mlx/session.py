@@ -85,6 +85,18 @@ class Session:
     def reset(self) -> None:
         self._trim(0)
 
+    def check(self, prompt: Sequence[int], max_tokens: int) -> None:
+        """Raise the error `generate` would raise for these arguments, before any work."""
+        if not prompt:
+            raise InvalidParameter("the prompt is empty")
+        if max_tokens < 1:
+            raise InvalidParameter(f"max-tokens must be at least 1 (got {max_tokens})")
+        if len(prompt) >= self.context:
+            raise PromptTooLong(
+                f"the prompt is {len(prompt)} tokens but the context holds {self.context} "
+                "(and at least one new token must fit)"
+            )
+
     def generate(
         self,
         prompt: Sequence[int],
@@ -98,15 +110,7 @@ class Session:
         """Stream the continuation of `prompt` (token ids). Stops at EOS, a stop string,
         `max_tokens`, the end of the context, or when `cancel` is set."""
         prompt = list(prompt)
-        if not prompt:
-            raise InvalidParameter("the prompt is empty")
-        if max_tokens < 1:
-            raise InvalidParameter(f"max-tokens must be at least 1 (got {max_tokens})")
-        if len(prompt) >= self.context:
-            raise PromptTooLong(
-                f"the prompt is {len(prompt)} tokens but the context holds {self.context} "
-                "(and at least one new token must fit)"
-            )
+        self.check(prompt, max_tokens)
         mode = self.settings.mode
         stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
         sampler = Sampler(sampling or SamplingParams())
@@ -135,6 +139,7 @@ class Session:
                     stats.ttft_s = time.perf_counter() - start
                 fresh: list[int] = []
                 for token in step:
+                    stats.committed_tokens += 1
                     if token in self.target.eos_token_ids:
                         finish = "stop"
                         break
@@ -191,7 +196,11 @@ class Session:
                 break
             chunk = todo[at : at + PREFILL_CHUNK]
             self.target.model(mx.array(chunk)[None], cache=self.cache)
-            mx.eval([c.state for c in self.cache])
+            states = [c.state for c in self.cache]
+            mx.async_eval(states)
+            if self.drafter is not None:  # an inline drafter prefills now, beside the target
+                self.drafter.run_pending()
+            mx.eval(states)
             self.tokens.extend(chunk)
             if on_prefill:
                 on_prefill(keep + at + len(chunk), len(prompt) - 1)

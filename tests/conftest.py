@@ -1,10 +1,10 @@
 """Shared fixtures: the real default model, loaded once per test session."""
 
-import pytest
-
 import mirror_mlx  # noqa: F401  (first: makes MLX use OpenBLAS where installed)
 from mirror_mlx.models.default import ensure_default_model
 from mirror_mlx.models.load import load
+
+import pytest
 
 
 @pytest.fixture(scope="session")

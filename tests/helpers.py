@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from mirror_mlx.models.gguf import read_header
+
 import mlx.core as mx
 from mlx_lm.models import llama
-
-from mirror_mlx.models.gguf import read_header
 
 TINY = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,

@@ -92,3 +92,16 @@ def test_chat_commands_interrupt_and_eof(default_gguf):
     chat.wait_for("[conversation reset]")
     chat.proc.stdin.close()  # end of input
     assert chat.proc.wait(timeout=60) == 0
+
+
+def test_openblas_in_use_in_this_process():
+    """Importing mirror_mlx before mlx (as conftest does) gives MLX OpenBLAS when installed."""
+    from mirror_mlx.platform import OPENBLAS_PATH, blas_description
+
+    installed = any(os.path.exists(f"/usr/lib/{arch}-linux-gnu/libopenblas.so.0")
+                    for arch in ("x86_64", "aarch64"))
+    if sys.platform != "linux" or not installed:
+        import pytest
+
+        pytest.skip("OpenBLAS applies to Linux with libopenblas installed")
+    assert OPENBLAS_PATH and "OpenBLAS" in blas_description()

@@ -2,13 +2,13 @@
 
 import threading
 
-import pytest
-
 from mirror_mlx.api import Engine
 from mirror_mlx.decode.sampling import SamplingParams
 from mirror_mlx.errors import InvalidParameter, PromptTooLong
 from mirror_mlx.session import Session
 from mirror_mlx.text import TextStream
+
+import pytest
 
 
 @pytest.fixture()

@@ -14,9 +14,13 @@ from .sampling import Sampler
 def autoregressive(
     model: nn.Module, cache: list, last: int, sampler: Sampler, stats: GenerationStats
 ) -> Iterator[list[int]]:
-    """Yields one committed token per step. `cache` holds every committed token but `last`."""
+    """Yields one committed token per step. `cache` holds every committed token but `last`.
+    The next forward is dispatched before a token is handed over, so (on a GPU) it computes
+    while the caller detokenizes and prints."""
+    logits = model(mx.array([[last]]), cache=cache)[0, -1]
     while True:
-        logits = model(mx.array([[last]]), cache=cache)[0, -1]
-        last = sampler.pick(logits)
+        token = sampler.pick(logits)
         stats.target_steps += 1
-        yield [last]
+        logits = model(mx.array([[token]]), cache=cache)[0, -1]
+        mx.async_eval(logits)
+        yield [token]

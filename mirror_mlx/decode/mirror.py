@@ -117,6 +117,11 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         for c in cache:
             c.trim(g - accepted)
         t_done = time.perf_counter()
+        # Positions 0..A saw committed context: there the early exit's guess can be scored.
+        guessed = np.array(exit_ids[: accepted + 1])
+        truth = np.array(drafts[:accepted] + [token])[:, None]
+        stats.exit_positions += accepted + 1
+        stats.exit_covered += int((guessed == truth).any(axis=1).sum())
         stats.add_time("target_suffix", t_done - t_suffix)
         mark("target_suffix", t_suffix, t_done)
 

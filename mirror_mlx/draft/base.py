@@ -59,6 +59,7 @@ class JobResult:
 
 class Drafter(Protocol):
     vocab_size: int  # the input vocabulary; must equal the target's
+    context: int | None  # the most tokens the draft's cache holds; None: no fixed limit
 
     def submit(self, job: Job) -> Future[JobResult]:
         """Queue a job. A threaded drafter starts it at once; an inline one (Core ML on the

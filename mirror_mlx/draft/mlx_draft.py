@@ -55,6 +55,7 @@ class MLXDrafter:
     def __init__(self, net: DraftNet, top_k: int = 4):
         self.net = net
         self.vocab_size = net.config.vocab_size
+        self.context = None
         self.top_k = top_k
         self._executor = MLXExecutor(net)
         self._state = TreeState()

@@ -18,6 +18,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from ..errors import ModelLoadError
+from ..models.load import dequantize
 
 FORMAT = "mirror-mlx-draft"
 
@@ -179,14 +180,21 @@ class DraftNet(nn.Module):
             mine.post_attention_layernorm = theirs.post_attention_layernorm
         return net
 
-    def save(self, folder: str | Path) -> None:
+    def save(self, folder: str | Path, bits: int | None = None) -> None:
+        """Write config.json and weights.safetensors; `bits` (8 or 4) stores the linear
+        layers quantized (groups of 64), which `load` widens again per the dtype policy."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         skip = ("embed_tokens.",) if self.config.shared_embedding else ()
-        weights = {k: v for k, v in tree_flatten(self.parameters()) if not k.startswith(skip)}
+        params = self.parameters()
+        if bits:
+            params = {k: v for k, v in _quantized_copy(self, bits).parameters().items()}
+        weights = {k: v for k, v in tree_flatten(params) if not k.startswith(skip)}
         mx.save_safetensors(str(folder / "weights.safetensors"), weights)
-        (folder / "config.json").write_text(
-            json.dumps({"format": FORMAT, **asdict(self.config)}, indent=1))
+        meta = {"format": FORMAT, **asdict(self.config)}
+        if bits:
+            meta["quantization"] = {"bits": bits, "group_size": QUANT_GROUP}
+        (folder / "config.json").write_text(json.dumps(meta, indent=1))
 
     @staticmethod
     def is_draft_folder(folder: Path) -> bool:
@@ -196,21 +204,25 @@ class DraftNet(nn.Module):
             return False
 
     @staticmethod
-    def load(folder: str | Path, embedding: nn.Module | None = None) -> DraftNet:
-        """Load a saved draft; `embedding` is the target's token embedding when shared."""
+    def load(folder: str | Path, embedding: nn.Module | None = None,
+             dtype: str = "float32") -> DraftNet:
+        """Load a saved draft; `embedding` is the target's token embedding when shared.
+        Quantized weights are widened to `dtype` unless it is "quantized"."""
         folder = Path(folder)
         try:
             raw = json.loads((folder / "config.json").read_text())
             raw.pop("format")
+            quant = raw.pop("quantization", None)
             config = DraftConfig(**raw)
             weights = mx.load(str(folder / "weights.safetensors"))
         except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
             raise ModelLoadError(f"{folder}: not a readable draft ({e})") from e
         net = DraftNet(config)
-        if config.shared_embedding:
-            if embedding is None:
-                raise ModelLoadError(f"{folder}: this draft reads the target's embedding")
-            net.embed_tokens = embedding
+        if quant:
+            nn.quantize(net, group_size=quant["group_size"], bits=quant["bits"],
+                        class_predicate=_quantizable)
+        if config.shared_embedding and embedding is None:
+            raise ModelLoadError(f"{folder}: this draft reads the target's embedding")
         try:
             net.load_weights(list(weights.items()), strict=False)
         except ValueError as e:
@@ -219,5 +231,23 @@ class DraftNet(nn.Module):
         missing = {k for k in missing if not k.startswith("embed_tokens.")}
         if missing:
             raise ModelLoadError(f"{folder}: missing weights {sorted(missing)[:3]}")
+        if quant and dtype != "quantized":
+            dequantize(net, getattr(mx, dtype))
+        if config.shared_embedding:  # after dequantizing: the target's embedding stays as it is
+            net.embed_tokens = embedding
         mx.eval(net.parameters())
         return net
+
+
+QUANT_GROUP = 64
+
+
+def _quantizable(path: str, module: nn.Module) -> bool:
+    return isinstance(module, nn.Linear) and module.weight.shape[-1] % QUANT_GROUP == 0
+
+
+def _quantized_copy(net: DraftNet, bits: int) -> DraftNet:
+    copy = DraftNet(net.config)
+    copy.update(net.parameters())
+    nn.quantize(copy, group_size=QUANT_GROUP, bits=bits, class_predicate=_quantizable)
+    return copy

@@ -12,6 +12,7 @@ class GenerationStats:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens whose KV cache was reused, not prefilled
     generated_tokens: int = 0
+    committed_tokens: int = 0  # generated plus the end-of-sequence token, if one ended it
     finish_reason: str = ""  # stop | length | context | cancelled
     ttft_s: float = 0.0  # request start -> first token known
     prefill_s: float = 0.0
@@ -24,6 +25,8 @@ class GenerationStats:
     accepted_tokens: int = 0  # of those, accepted
     reuse_steps: int = 0  # Mirror-SD steps whose next window came from a branch rollout
     fallback_steps: int = 0  # Mirror-SD steps that drafted afresh after verification
+    exit_positions: int = 0  # verified window positions whose target token is known ...
+    exit_covered: int = 0  # ... and of those, how many the early exit had in its top-kappa
     time_s: dict[str, float] = field(default_factory=dict)  # target_prefix, draft, wait, ...
     overlap_fraction: float = 0.0  # share of draft time hidden under target compute
 
@@ -39,11 +42,15 @@ class GenerationStats:
     @property
     def acceptance_length(self) -> float:
         """Tokens committed per target step (accepted drafts plus the target's own token)."""
-        return self.generated_tokens / self.target_steps if self.target_steps else 0.0
+        return self.committed_tokens / self.target_steps if self.target_steps else 0.0
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def exit_coverage(self) -> float:
+        return self.exit_covered / self.exit_positions if self.exit_positions else 0.0
 
     @property
     def reuse_rate(self) -> float:
@@ -61,7 +68,7 @@ class GenerationStats:
     def to_dict(self) -> dict:
         out = asdict(self)
         for name in ("prompt_tokens_per_second", "tokens_per_second", "acceptance_length",
-                     "acceptance_rate", "reuse_rate", "fallback_rate"):
+                     "acceptance_rate", "reuse_rate", "fallback_rate", "exit_coverage"):
             out[name] = getattr(self, name)
         return {k: round(v, 6) if isinstance(v, float) else v for k, v in out.items()}
 

@@ -151,7 +151,7 @@ def _load_mlx_lm(spec: str, dtype: str, name: str) -> LoadedModel:
 
 def _finish(model, tokenizer, name, path, context, eos, dtype) -> LoadedModel:
     if dtype != "quantized":
-        _dequantize(model, getattr(mx, dtype))
+        dequantize(model, getattr(mx, dtype))
     model.eval()
     mx.eval(model.parameters())
     return LoadedModel(
@@ -165,7 +165,7 @@ def _finish(model, tokenizer, name, path, context, eos, dtype) -> LoadedModel:
     )
 
 
-def _dequantize(model: nn.Module, dtype: mx.Dtype) -> None:
+def dequantize(model: nn.Module, dtype: mx.Dtype) -> None:
     """Replace quantized modules by dense ones in `dtype` and cast every float parameter.
     Scales and biases are widened first, so float32 dequantization is exact."""
     dense = []

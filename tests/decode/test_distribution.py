@@ -8,18 +8,18 @@ different 2-layer draft over an 8-token vocabulary; three generated tokens, 512 
 import itertools
 import math
 
-import mlx.core as mx
-import numpy as np
-import pytest
-from mlx_lm.models import llama
-from mlx_lm.models.cache import make_prompt_cache
-
 from mirror_mlx.decode.mirror import MirrorConfig, mirror
 from mirror_mlx.decode.sampling import Sampler, SamplingParams, distribution
 from mirror_mlx.decode.speculative import speculative
 from mirror_mlx.draft.mlx_draft import MLXDrafter
 from mirror_mlx.draft.net import DraftNet
 from mirror_mlx.measure.stats import GenerationStats
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import llama
+from mlx_lm.models.cache import make_prompt_cache
 
 VOCAB, STEPS, SAMPLES = 8, 3, 2000
 PROMPT = [1, 5, 2]

@@ -3,10 +3,11 @@ with another vocabulary, a draft that fails."""
 
 import threading
 
-import pytest
-
 from mirror_mlx.api import Engine
 from mirror_mlx.errors import IncompatibleDraft
+
+import pytest
+
 from tests.helpers import write_tiny_gguf
 
 # A draft equal to the target accepts whole windows, so every stop lands mid-window.

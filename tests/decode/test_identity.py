@@ -1,9 +1,10 @@
 """Lossless, greedy: speculative and Mirror-SD output equals target-only greedy output,
 token for token, on real prompts with the real default target and the default draft."""
 
+from mirror_mlx.api import Engine
+
 import pytest
 
-from mirror_mlx.api import Engine
 from tests.prompts import PROMPTS
 
 MAX_TOKENS = 24

@@ -3,9 +3,10 @@ and at a later position, and fallback; the caches stay consistent; the overlap i
 
 from collections import Counter
 
+from mirror_mlx.api import Engine
+
 import pytest
 
-from mirror_mlx.api import Engine
 from tests.prompts import PROMPTS
 
 

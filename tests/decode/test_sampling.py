@@ -1,9 +1,9 @@
 """The sampling distribution's filters and the sampler, against exact expectations."""
 
+from mirror_mlx.decode.sampling import Sampler, SamplingParams, distribution
+
 import mlx.core as mx
 import numpy as np
-
-from mirror_mlx.decode.sampling import Sampler, SamplingParams, distribution
 
 LOGITS = mx.array([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 

@@ -1,13 +1,13 @@
 """The draft's token-tree cache against plain generation: a draft equal to the target must draft
 exactly the target's greedy tokens, whatever the job reuses, branches or rolls back."""
 
-import mlx.core as mx
-import pytest
-from mlx_lm.generate import generate_step
-
 from mirror_mlx.draft.base import Job
 from mirror_mlx.draft.mlx_draft import MLXDrafter
 from mirror_mlx.draft.net import DraftNet
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,13 @@ import struct
 import subprocess
 import sys
 
-import pytest
-
 from mirror_mlx.decode.sampling import SamplingParams
 from mirror_mlx.errors import InvalidParameter, ModelLoadError
 from mirror_mlx.models.gguf import read_header
 from mirror_mlx.models.load import load
+
+import pytest
+
 from tests.helpers import write_tiny_gguf
 
 

@@ -1,9 +1,10 @@
 """The GGUF tensor mapping, checked on a tiny model written in llama.cpp's layout."""
 
+from mirror_mlx.models.load import load
+
 import mlx.core as mx
 import numpy as np
 
-from mirror_mlx.models.load import load
 from tests.helpers import write_tiny_gguf
 
 

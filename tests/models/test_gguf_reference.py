@@ -1,13 +1,13 @@
 """The GGUF loader against independent references, on the real default model."""
 
+from mirror_mlx.api import Engine
+from mirror_mlx.models.gguf import read_header
+from mirror_mlx.models.gguf_tokenizer import tokenizer_from_gguf
+
 import mlx.core as mx
 import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
-
-from mirror_mlx.api import Engine
-from mirror_mlx.models.gguf import read_header
-from mirror_mlx.models.gguf_tokenizer import tokenizer_from_gguf
 
 TEXT = (
     "The Eiffel Tower was completed in 1889 for the World's Fair in Paris. At 330 metres it "

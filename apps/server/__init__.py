@@ -1,0 +1,1 @@
+"""An OpenAI-compatible HTTP server around one Engine (`mirror-mlx serve`)."""

@@ -1,0 +1,293 @@
+"""The HTTP side: routes, body limits, server-sent events, disconnects, the request queue.
+
+The standard library's ThreadingHTTPServer is enough: one engine generates one reply at a
+time, so an asynchronous framework would buy nothing and add dependencies. Each request has
+its own thread; the Engine queues them in arrival order."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import selectors
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from itertools import chain
+from urllib.parse import urlsplit
+
+from mirror_mlx.api import Engine, EngineClosed, model_name
+from mirror_mlx.errors import InvalidParameter, MirrorError, PromptTooLong
+from mirror_mlx.measure.stats import GenerationStats
+
+from .request import Request, RequestError, parse
+from .response import Reply, model_card
+
+log = logging.getLogger(__name__)
+
+MAX_BODY = 1 << 20  # bytes; a long chat fits many times over
+DISCONNECT_POLL_S = 0.1
+ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
+
+
+class Server(ThreadingHTTPServer):
+    """Serves one Engine. `max_queue` bounds the requests running or waiting (beyond it: 429).
+    `server_close()` ends every connection and joins its thread: a thread still winding down
+    MLX while the process exits can abort it."""
+
+    daemon_threads = False
+    block_on_close = True
+
+    def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 8000, *,
+                 model_id: str | None = None, max_tokens: int = 512, max_body: int = MAX_BODY,
+                 max_queue: int = 16):
+        if max_tokens < 1:
+            raise InvalidParameter(f"max-tokens must be at least 1 (got {max_tokens})")
+        self.engine = engine
+        self.model_id = model_id or model_name(engine.target)
+        self.max_tokens = max_tokens
+        self.max_body = max_body
+        self.slots = threading.BoundedSemaphore(max_queue)
+        self.created = int(time.time())
+        self._connections: set[socket.socket] = set()
+        self._connections_lock = threading.Lock()
+        super().__init__((host, port), Handler)
+
+    def track(self, sock: socket.socket, is_open: bool) -> None:
+        with self._connections_lock:
+            if is_open:
+                self._connections.add(sock)
+            else:
+                self._connections.discard(sock)
+
+    def server_close(self) -> None:
+        self.engine.cancel()
+        with self._connections_lock:
+            for sock in self._connections:
+                # Wakes a handler blocked reading; a generating one sees its client gone.
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        super().server_close()
+
+    @property
+    def url(self) -> str:
+        host, port = self.server_address[:2]
+        return f"http://{host}:{port}/v1"
+
+
+@contextlib.contextmanager
+def watch_disconnect(sock: socket.socket) -> Iterator[threading.Event]:
+    """An event that is set when the client closes its connection, while the request waits
+    for its turn, generates, or streams. A closed socket reads as end-of-file; peeking never
+    consumes a byte. A client that sends more (a pipelined request) is there: stop watching."""
+    gone, done = threading.Event(), threading.Event()
+
+    def watch():
+        with selectors.DefaultSelector() as selector:
+            selector.register(sock, selectors.EVENT_READ)
+            while not done.is_set():
+                if selector.select(DISCONNECT_POLL_S):
+                    try:
+                        if not sock.recv(1, socket.MSG_PEEK):
+                            gone.set()
+                    except OSError:
+                        gone.set()
+                    return
+
+    watcher = threading.Thread(target=watch, name="disconnect-watch", daemon=True)
+    watcher.start()
+    try:
+        yield gone
+    finally:
+        done.set()
+        watcher.join()
+
+
+class Handler(BaseHTTPRequestHandler):
+    server: Server
+    protocol_version = "HTTP/1.1"
+    timeout = 120  # seconds a connection may stay silent (mid-request or idle keep-alive)
+
+    _replied = False  # a status line went out for the current request
+
+    def setup(self) -> None:
+        super().setup()
+        self.server.track(self.connection, True)
+
+    def finish(self) -> None:
+        self.server.track(self.connection, False)
+        super().finish()
+
+    def handle_one_request(self) -> None:
+        self._replied = False
+        super().handle_one_request()
+
+    def log_message(self, format, *args) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+    # ---- routes
+    def do_GET(self) -> None:
+        path = urlsplit(self.path).path.rstrip("/")
+        if path == "/v1/models":
+            self._json(200, {"object": "list",
+                             "data": [model_card(self.server.model_id, self.server.created)]})
+        elif path == f"/v1/models/{self.server.model_id}":
+            self._json(200, model_card(self.server.model_id, self.server.created))
+        elif path.startswith("/v1/models/"):
+            self._error(RequestError(404, f"no model '{path[len('/v1/models/'):]}'; this server "
+                                     f"serves '{self.server.model_id}'", "model",
+                                     "model_not_found"))
+        elif path in ROUTES:
+            self._error(RequestError(405, f"{path} takes POST"))
+        else:
+            self._error(RequestError(404, f"no route GET {path}", code="not_found"))
+
+    def do_POST(self) -> None:
+        path = urlsplit(self.path).path.rstrip("/")
+        try:
+            if path not in ROUTES:
+                self.close_connection = True  # the body stays unread
+                raise RequestError(404, f"no route POST {path}", code="not_found")
+            request = parse(ROUTES[path], self._body())
+            if not self.server.slots.acquire(blocking=False):
+                raise RequestError(429, "too many requests are waiting; try again later",
+                                   type="server_busy")
+            try:
+                self._generate(request)
+            finally:
+                self.server.slots.release()
+        except RequestError as e:
+            self._error(e)
+        except Exception:
+            log.exception("%s %s failed", self.command, self.path)
+            self.close_connection = True
+            if not self._replied:
+                self._error(RequestError(500, "internal error; the server's log has the details",
+                                         type="server_error"))
+
+    def _body(self):
+        if self.headers.get("Transfer-Encoding"):
+            self.close_connection = True
+            raise RequestError(411, "send the body with a Content-Length, not chunked")
+        length = self.headers.get("Content-Length")
+        if length is None or not length.isdigit():
+            self.close_connection = True
+            raise RequestError(411, "a Content-Length header is required")
+        if int(length) > self.server.max_body:
+            self.close_connection = True
+            raise RequestError(413, f"the body is {length} bytes; the limit is "
+                               f"{self.server.max_body}", code="request_too_large")
+        raw = self.rfile.read(int(length))
+        try:
+            return json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise RequestError(400, f"the body is not valid JSON: {e}") from e
+
+    # ---- generation
+    def _generate(self, request: Request) -> None:
+        engine = self.server.engine
+        with watch_disconnect(self.connection) as gone:
+            try:
+                stream = engine.stream(request.prompt, chat_template=request.kind == "chat",
+                                       max_tokens=request.max_tokens or self.server.max_tokens,
+                                       sampling=request.sampling, stop=request.stop,
+                                       cancel=gone)
+                # The first chunk comes after the turn and the prefill: a bad prompt still gets
+                # a plain JSON error, before any event is sent.
+                first = next(stream)
+            except PromptTooLong as e:
+                raise RequestError(400, str(e), "messages" if request.kind == "chat"
+                                   else "prompt", "context_length_exceeded") from e
+            except EngineClosed as e:
+                raise RequestError(503, str(e), type="server_shutting_down") from e
+            except MirrorError as e:
+                raise RequestError(400, str(e)) from e
+            reply = Reply(request, self.server.model_id)
+            with contextlib.closing(stream):
+                if request.stream:
+                    self._stream(reply, first, stream, gone)
+                else:
+                    self._whole(reply, first, stream)
+
+    def _finished(self, reply: Reply, stats: GenerationStats) -> None:
+        """The request log's line, written when the generation ends (before the reply's end
+        reaches the client)."""
+        log.info("%s %s: prompt %d tok, %d generated, %.1f tok/s, %.2f tok/step, finish %s",
+                 reply.id, reply.request.kind, stats.prompt_tokens, stats.generated_tokens,
+                 stats.tokens_per_second, stats.acceptance_length, stats.finish_reason)
+
+    def _whole(self, reply: Reply, first, stream) -> None:
+        text, stats = [first.text], first.stats
+        for chunk in stream:
+            text.append(chunk.text)
+            stats = chunk.stats or stats
+        self._finished(reply, stats)
+        with contextlib.suppress(OSError):  # the client may be gone
+            self._json(200, reply.whole("".join(text), stats))
+
+    def _stream(self, reply: Reply, first, stream, gone: threading.Event) -> None:
+        """Server-sent events; a failed write means the client left: stop generating."""
+        self._replied = True
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Connection", "close")  # the stream's end is the connection's end
+        self.end_headers()
+        self.close_connection = True
+        try:
+            if reply.request.kind == "chat":
+                self._event(reply.chunk(""))
+            for chunk in chain([first], stream):
+                if chunk.text:
+                    self._event(reply.chunk(chunk.text))
+                if chunk.stats:
+                    self._finished(reply, chunk.stats)
+                    self._event(reply.chunk(None, chunk.stats))
+                    if reply.request.include_usage:
+                        self._event(reply.usage_chunk(chunk.stats))
+                    self.wfile.write(b"data: [DONE]\n\n")
+        except OSError:  # BrokenPipe, ConnectionReset: the client is gone
+            gone.set()
+            for chunk in stream:  # ends within a step, now that `gone` is set
+                if chunk.stats:
+                    self._finished(reply, chunk.stats)
+
+    def _event(self, obj: dict) -> None:
+        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+
+    # ---- plain replies
+    def _json(self, status: int, obj: dict) -> None:
+        data = json.dumps(obj).encode()
+        self._replied = True
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _error(self, e: RequestError) -> None:
+        if e.status >= 500 or e.status == 429:
+            log.warning("%s %s: %s", self.command, self.path, e.message)
+        self._json(e.status, e.body())
+
+
+def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, **options) -> None:
+    """Serve until Ctrl-C (the `mirror-mlx serve` command)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
+    try:
+        server = Server(engine, host, port, **options)
+    except OSError as e:
+        raise MirrorError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    print(f"mirror-mlx: serving {server.model_id} ({engine.mode}) at {server.url}", flush=True)
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("listening on %s: anyone who can reach this address can use the model",
+                    host)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()

@@ -1,0 +1,161 @@
+"""The draft network (mirror_mlx/draft/net.py) in PyTorch, laid out for the Neural Engine, with
+the input/output/state contract of mirror_mlx/draft/coreml_package.py.
+
+Each ANE-specific choice is stated once, where it is made:
+- Activations are channels-first (B, C, 1, S) and every linear layer is a 1x1 convolution: the
+  layout the Neural Engine computes natively (Apple, "Deploying Transformers on the ANE").
+- Attention is split per head, with explicit matmuls in the two einsum forms Core ML maps to
+  its own einsum op, so no transposes of the cache are needed: the key cache is stored
+  (L, 1, D) per head and the value cache (D, 1, L). SDPA is not used (its fused form needs
+  scale=None; the decomposed one inserts transposes).
+- The softmax scale is folded into the query weights, and rotary embedding's rotate-half is
+  folded into the q/k weights: one convolution yields each head and its rotated copy, so rope
+  is two multiplies and an add, without slicing or negating activations.
+- RMSNorm divides by the max-abs first: x * x summed over 576 channels overflows fp16 for
+  activations of a few hundred (the Neural Engine has no fp32 path).
+- The KV cache is Core ML state (two fp16 tensors), written at a runtime slot with slice
+  updates; attention always reads the whole fixed-length cache under an additive mask, so every
+  shape is static except the query length S, which takes a few enumerated values.
+
+The module computes in float32 on the CPU (the reference executor runs it); the conversion
+runs it in fp16. The states are fp16 in both.
+"""
+
+from __future__ import annotations
+
+from mirror_mlx.draft.coreml_package import PackageSpec, head_chunks
+from mirror_mlx.draft.net import DraftConfig
+
+import numpy as np
+import torch
+from torch import nn
+
+NORM_FLOOR = 1e-2  # keeps the divisor positive and eps / m^2 in fp16 range
+
+
+def conv(weight: np.ndarray, bias: np.ndarray | None = None) -> nn.Conv2d:
+    """A 1x1 convolution computing the linear layer `weight` (out, in)."""
+    out_ch, in_ch = weight.shape
+    layer = nn.Conv2d(in_ch, out_ch, 1, bias=bias is not None)
+    with torch.no_grad():
+        layer.weight.copy_(torch.from_numpy(weight).reshape(out_ch, in_ch, 1, 1))
+        if bias is not None:
+            layer.bias.copy_(torch.from_numpy(bias))
+    return layer.requires_grad_(False)
+
+
+def with_rotation(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
+    """Rows (or bias entries) per head laid out as [head, rotate_half(head)], where
+    rotate_half(x) = (-x[D/2:], x[:D/2]) is the second term of non-traditional rope."""
+    w = w.reshape(heads, head_dim, *w.shape[1:])
+    half = head_dim // 2
+    rot = np.concatenate([-w[:, half:], w[:, :half]], axis=1)
+    return np.stack([w, rot], axis=1).reshape(heads * 2 * head_dim, *w.shape[2:])
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: np.ndarray, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.from_numpy(weight).reshape(1, -1, 1, 1), False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x / rms(x) == xs / sqrt(mean(xs^2) + eps / m^2) for xs = x / m, any m > 0.
+        m = x.abs().amax(dim=1, keepdim=True) + NORM_FLOOR
+        xs = x / m
+        return xs * torch.rsqrt(xs.square().mean(dim=1, keepdim=True) + self.eps / (m * m)) \
+            * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, c: DraftConfig, w: dict, prefix: str, layer: int):
+        super().__init__()
+        self.heads, self.kv, self.dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.first = layer * c.num_kv_heads  # this layer's rows in the caches
+        scale = c.head_dim**-0.5
+
+        def rotated(name: str, heads: int, factor: float = 1.0) -> nn.Conv2d:
+            bias = w.get(f"{prefix}{name}.bias")
+            return conv(with_rotation(w[f"{prefix}{name}.weight"] * factor, heads, c.head_dim),
+                        None if bias is None else with_rotation(bias * factor, heads, c.head_dim))
+
+        self.q_proj = rotated("q_proj", c.num_heads, scale)
+        self.k_proj = rotated("k_proj", c.num_kv_heads)
+        self.v_proj = conv(w[f"{prefix}v_proj.weight"], w.get(f"{prefix}v_proj.bias"))
+        self.o_proj = conv(w[f"{prefix}o_proj.weight"], w.get(f"{prefix}o_proj.bias"))
+
+    def forward(self, x, cos, sin, mask, pos, k_cache, v_cache):
+        D, kv, s = self.dim, self.kv, x.shape[3]
+        qs = self.q_proj(x).split(D, dim=1)
+        ks = self.k_proj(x).split(D, dim=1)
+        q = [qs[2 * h] * cos + qs[2 * h + 1] * sin for h in range(self.heads)]
+        k = torch.cat([ks[2 * g] * cos + ks[2 * g + 1] * sin for g in range(kv)], dim=0)
+        v = self.v_proj(x).reshape(kv, D, 1, s)
+        rows = slice(self.first, self.first + kv)
+        k_cache[rows, pos : pos + s] = k.permute(0, 3, 2, 1).to(k_cache.dtype)
+        v_cache[rows, :, :, pos : pos + s] = v.to(v_cache.dtype)
+        out = []
+        for g in range(kv):
+            keys = k_cache[self.first + g : self.first + g + 1].to(x.dtype)  # (1, L, 1, D)
+            values = v_cache[self.first + g : self.first + g + 1].to(x.dtype)  # (1, D, 1, L)
+            for h in range(g * self.heads // kv, (g + 1) * self.heads // kv):
+                scores = torch.einsum("bkhc,bchq->bkhq", keys, q[h]) + mask  # (1, L, 1, S)
+                weights = torch.softmax(scores, dim=1)
+                out.append(torch.einsum("bchk,bkhq->bchq", values, weights))
+        return self.o_proj(torch.cat(out, dim=1))
+
+
+class MLP(nn.Module):
+    def __init__(self, w: dict, prefix: str):
+        super().__init__()
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(self, name, conv(w[f"{prefix}{name}.weight"], w.get(f"{prefix}{name}.bias")))
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: DraftConfig, w: dict, i: int):
+        super().__init__()
+        p = f"layers.{i}."
+        self.self_attn = Attention(c, w, p + "self_attn.", i)
+        self.mlp = MLP(w, p + "mlp.")
+        self.input_layernorm = RMSNorm(w[p + "input_layernorm.weight"], c.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(w[p + "post_attention_layernorm.weight"],
+                                                c.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, pos, k_cache, v_cache):
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, pos, k_cache, v_cache)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class ANEDraft(nn.Module):
+    """forward(embeds, rope_cos, rope_sin, mask, write_pos) -> logits chunks; the KV cache is
+    the module's buffers `k_cache` and `v_cache` (Core ML state)."""
+
+    def __init__(self, spec: PackageSpec, weights: dict[str, np.ndarray]):
+        super().__init__()
+        spec.check()
+        c = self.config = spec.config
+        self.in_proj = conv(weights["in_proj.weight"]) if "in_proj.weight" in weights else None
+        self.layers = nn.ModuleList(Block(c, weights, i) for i in range(c.num_layers))
+        self.norm = RMSNorm(weights["norm.weight"], c.rms_norm_eps)
+        head = weights["embed_tokens.weight" if c.tie_head else "head.weight"]
+        bias = weights.get("head.bias")
+        bounds = np.cumsum([0, *head_chunks(c.head_size)])
+        # The Neural Engine limits every dimension to 16384: a larger head is split in chunks.
+        self.heads = nn.ModuleList(
+            conv(head[a:b], None if bias is None else bias[a:b])
+            for a, b in zip(bounds[:-1], bounds[1:]))
+        for name in ("k_cache", "v_cache"):
+            self.register_buffer(name, torch.zeros(spec.state_shape(name), dtype=torch.float16))
+        self.eval()
+
+    def forward(self, embeds, rope_cos, rope_sin, mask, write_pos):
+        x = embeds if self.in_proj is None else self.in_proj(embeds)
+        pos = write_pos[0]
+        for layer in self.layers:
+            x = layer(x, rope_cos, rope_sin, mask, pos, self.k_cache, self.v_cache)
+        x = self.norm(x)
+        return tuple(head(x) for head in self.heads)

@@ -1,0 +1,290 @@
+"""The Core ML drafter: the draft as a Core ML package on the Neural Engine (macOS 15+).
+
+It runs jobs inline, on the caller's thread, in `run_pending`: coremltools' predict holds the
+GIL for the whole call (APPLE_APIS fact 1), so a worker thread would gain nothing; the decoders
+dispatch the target's work with `mx.async_eval` first and then call `run_pending`, which is
+where the two overlap.
+
+The executor speaks the package contract of draft/coreml_package.py to a runtime with
+`make_state()` and `predict(inputs, state)`: on macOS coremltools' CompiledMLModel, elsewhere
+the reference executor (coreml_export/reference.py, the same PyTorch module the package was
+converted from), so all the bookkeeping here is tested on Linux too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from functools import partial
+from pathlib import Path
+from typing import Any, Protocol
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import IncompatibleDraft, ModelLoadError, PromptTooLong
+from ..models.load import LoadedModel
+from ..platform import cache_dir
+from .base import Job, JobResult
+from .coreml_package import MASK_VALUE, PackageSpec, rope_tables
+from .load import vocab_fingerprint
+from .rollout import TreeState, run_job
+
+
+class Runtime(Protocol):
+    def make_state(self) -> Any: ...
+
+    def predict(self, inputs: dict[str, np.ndarray], state: Any) -> dict[str, np.ndarray]: ...
+
+
+class CoreMLExecutor:
+    """The rollout Executor over a package: pads each forward to an enumerated query length
+    (or splits it), builds the fixed-width mask, and keeps the KV slots in the Core ML state."""
+
+    def __init__(self, runtime: Runtime, spec: PackageSpec,
+                 embed: Callable[[list[int]], np.ndarray]):
+        c = spec.config
+        self.runtime, self.spec, self.embed = runtime, spec, embed
+        self.vocab_size = c.vocab_size
+        self.head_ids = np.array(c.head_tokens or range(c.vocab_size), dtype=np.int32)
+        self.state = runtime.make_state()
+        self.size = 0  # slots in use; those beyond hold stale or padding entries, never read
+        # Core ML may keep an input's memory bound for about a second after predict returns
+        # and crash if Python has freed it (APPLE_APIS fact 2): every input is a persistent
+        # buffer, two sets per query length used in turn so none is refilled right after use.
+        self._buffers = {s: [self._new_inputs(s) for _ in range(2)] for s in spec.query_sizes}
+        self._turn = 0
+
+    def _new_inputs(self, s: int) -> dict[str, np.ndarray]:
+        return {name: np.zeros(self.spec.input_shape(name, s),
+                               np.int32 if name == "write_pos" else np.float32)
+                for name in ("embeds", "rope_cos", "rope_sin", "mask", "write_pos")}
+
+    def truncate(self, size: int) -> None:
+        self.size = min(self.size, size)
+
+    def gather(self, dst: int, slots: list[int]) -> None:
+        n = len(slots)
+        if slots != list(range(dst, dst + n)):
+            # KV slots move on the host through MLState.read_state / write_state (coremltools
+            # 9.0): a whole-state copy each way, paid only when a reused branch is not already
+            # in place, and it keeps the hot predict free of gathers.
+            src = np.array(slots)
+            keys = self.state.read_state("k_cache")
+            keys[:, dst : dst + n] = keys[:, src]
+            self.state.write_state("k_cache", keys)
+            values = self.state.read_state("v_cache")
+            values[..., dst : dst + n] = values[..., src]
+            self.state.write_state("v_cache", values)
+        self.size = dst + n
+
+    def forward(self, tokens, positions, mask, rows) -> np.ndarray:
+        n, start, L = len(tokens), self.size, self.spec.context
+        if start + n > L:
+            raise PromptTooLong(
+                f"the Core ML draft holds {L} tokens and this generation needs more; export it "
+                "with a larger --context or generate with a smaller one")
+        if isinstance(positions, int):
+            positions = range(positions, positions + n)
+        c = self.spec.config
+        embeds = self.embed(list(tokens))
+        cos, sin = rope_tables(np.asarray(positions), c.head_dim, c.rope_theta)
+        if mask is None:  # causal over the whole cache
+            mask = np.arange(start + n)[None, :] <= start + np.arange(n)[:, None]
+        out = np.zeros((len(rows), c.head_size), np.float32)
+        done = 0
+        while done < n:
+            s = self._query_size(n - done, L - start - done)
+            take = min(s, n - done)
+            inputs = self._buffers[s][self._turn]
+            self._turn ^= 1
+            part = slice(done, done + take)
+            inputs["embeds"][0, :, 0, :take] = embeds[part].T
+            inputs["rope_cos"][0, :, 0, :take] = cos[part].T
+            inputs["rope_sin"][0, :, 0, :take] = sin[part].T
+            width = mask.shape[1]
+            inputs["mask"].fill(MASK_VALUE)
+            inputs["mask"][0, :width, 0, :take] = np.where(mask[part].T, 0.0, MASK_VALUE)
+            # Padding tokens (take..s) attend nowhere and are written past the end: harmless.
+            inputs["embeds"][..., take:] = 0.0
+            inputs["write_pos"][0] = start + done
+            result = self.runtime.predict(inputs, self.state)
+            mine = [(i, r - done) for i, r in enumerate(rows) if done <= r < done + take]
+            if mine:
+                logits = np.concatenate([result[name][0, :, 0, :] for name in self.spec.outputs])
+                out[[i for i, _ in mine]] = logits[:, [j for _, j in mine]].T
+            done += take
+        self.size = start + n
+        return out
+
+    def _query_size(self, want: int, room: int) -> int:
+        """The smallest enumerated length that holds `want` tokens, or the largest that fits
+        in the slots left (the rest goes in further calls)."""
+        fits = [s for s in self.spec.query_sizes if s <= room]
+        return min((s for s in fits if s >= want), default=max(fits))
+
+
+class _InlineFuture(Future):
+    """A future whose `result()` first runs the drafter's queued jobs, so a decoder that waits
+    on a job without calling `run_pending` still gets it."""
+
+    def __init__(self, run_pending: Callable[[], None]):
+        super().__init__()
+        self._run_pending = run_pending
+
+    def result(self, timeout: float | None = None):
+        self._run_pending()
+        return super().result(timeout)
+
+
+class CoreMLDrafter:
+    """A Drafter whose jobs run, in order, on the caller's thread in `run_pending`."""
+
+    def __init__(self, executor: CoreMLExecutor, top_k: int = 4):
+        self.vocab_size = executor.vocab_size
+        self.context = executor.spec.context  # the most tokens the draft's cache holds
+        self.top_k = top_k
+        self._executor = executor
+        self._state = TreeState()
+        self._rng = np.random.default_rng()
+        self._pending: deque[tuple[Future | None, Callable[[], Any]]] = deque()
+
+    def submit(self, job: Job) -> Future[JobResult]:
+        future = _InlineFuture(self.run_pending)
+        self._pending.append((future, partial(self._run, job)))
+        return future
+
+    def reseed(self, seed: int | None) -> None:
+        self._pending.append((None, partial(self._seed, seed)))  # in order with the jobs
+
+    def _seed(self, seed: int | None) -> None:
+        self._rng = np.random.default_rng(None if seed is None else seed + 1)
+
+    def run_pending(self) -> None:
+        while self._pending:
+            future, work = self._pending.popleft()
+            if future is None:
+                work()
+            elif future.set_running_or_notify_cancel():
+                try:
+                    result = work()
+                except BaseException as e:
+                    future.set_exception(e)
+                    if not isinstance(e, Exception):
+                        raise
+                else:
+                    future.set_result(result)
+
+    def _run(self, job: Job) -> JobResult:
+        try:
+            return run_job(job, self._executor, self._state, self._rng, self.top_k)
+        except BaseException:
+            # The cache may be half-updated: forget it; the next job prefills afresh.
+            self._state = TreeState()
+            self._executor.truncate(0)
+            raise
+
+    def close(self) -> None:
+        while self._pending:
+            future, _ = self._pending.popleft()
+            if future is not None:
+                future.cancel()
+
+
+def mlx_embedding(embedding: nn.Module) -> Callable[[list[int]], np.ndarray]:
+    """Token ids -> float32 embeddings from the target's table. The lookup runs on a CPU
+    stream of its own, so it does not queue behind the target's work that the decoder has
+    just dispatched with mx.async_eval."""
+    stream = mx.new_thread_local_stream(mx.cpu)
+
+    def embed(tokens: list[int]) -> np.ndarray:
+        with mx.stream(stream):
+            rows = embedding(mx.array(tokens, dtype=mx.int32)).astype(mx.float32)
+            return np.array(rows, copy=True)
+
+    return embed
+
+
+def import_coremltools():
+    """coremltools, imported without the warnings it logs on import where Core ML cannot run
+    (its macOS bindings are missing) or with torch newer than it was tested with (2.13
+    converts fine: PLATFORM.md)."""
+    logger = logging.getLogger("coremltools")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        import coremltools
+    except ImportError as e:
+        raise ModelLoadError("Core ML packages need coremltools "
+                             "(pip install 'mirror-mlx[export]')") from e
+    finally:
+        logger.setLevel(level)
+    return coremltools
+
+
+def load_package(package: str | Path):
+    """A package's spec (protobuf), readable on any OS."""
+    package = Path(package)
+    if not (package / "Manifest.json").is_file():
+        raise ModelLoadError(f"{package}: not a Core ML package (.mlpackage folder)")
+    ct = import_coremltools()
+    try:
+        return ct.utils.load_spec(str(package))
+    except Exception as e:  # coremltools raises bare Exceptions for broken packages
+        raise ModelLoadError(f"{package}: unreadable Core ML package ({e})") from e
+
+
+def read_package_spec(package: str | Path) -> PackageSpec:
+    """The contract and provenance stored in a package's metadata (readable on any OS)."""
+    spec = load_package(package)
+    return PackageSpec.from_metadata(dict(spec.description.metadata.userDefined), str(package))
+
+
+def check_target(spec: PackageSpec, target: LoadedModel, where: str) -> None:
+    made_for = spec.config.target.get("vocab")
+    if spec.config.vocab_size != target.vocab_size or (
+            made_for and made_for != vocab_fingerprint(target.tokenizer)):
+        raise IncompatibleDraft(
+            f"{where}: this draft package was exported for another vocabulary "
+            f"({spec.config.target.get('name', '?')}), not {target.path.name}'s")
+
+
+def compiled_package(package: Path) -> Path:
+    """The package compiled to .mlmodelc at a fixed path in the cache, keyed by its content:
+    Core ML caches its device specialisation by that path, so a fixed path is specialised
+    for the Neural Engine once, not on every load (APPLE_APIS fact 3)."""
+    ct = import_coremltools()
+
+    digest = hashlib.sha256()
+    for f in sorted(p for p in package.rglob("*") if p.is_file()):
+        digest.update(str(f.relative_to(package)).encode())
+        digest.update(f.read_bytes())
+    dest = cache_dir() / "coreml" / f"{digest.hexdigest()[:24]}.mlmodelc"
+    if not dest.is_dir():
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.with_name(f"{dest.stem}.{os.getpid()}.tmp.mlmodelc")
+        ct.utils.compile_model(str(package), str(tmp))
+        try:
+            tmp.rename(dest)
+        except OSError:  # another process compiled it meanwhile
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def open_package(package: str | Path, target: LoadedModel, top_k: int = 4) -> CoreMLDrafter:
+    """A drafter running `package` with Core ML (macOS 15+; see platform.coreml_status)."""
+    ct = import_coremltools()
+
+    package = Path(package)
+    spec = read_package_spec(package)
+    check_target(spec, target, str(package))
+    model = ct.models.CompiledMLModel(str(compiled_package(package)),
+                                      compute_units=ct.ComputeUnit[spec.compute_units])
+    embed = mlx_embedding(target.model.model.embed_tokens)
+    return CoreMLDrafter(CoreMLExecutor(model, spec, embed), top_k)

@@ -1,0 +1,209 @@
+"""What a Core ML draft package holds and promises: its input/output/state names and shapes,
+its metadata, and the weights it was made from. The exporter (coreml_export) writes packages to
+this contract; the Core ML backend (draft/coreml_draft.py) and the reference executor read them
+by it. Nothing here needs torch or coremltools.
+
+The contract, for a draft with N layers, KV heads of width D, context L and query length S (one
+of the enumerated sizes):
+
+  inputs   embeds    float32 (1, E, 1, S)  input embeddings, host-computed (see below)
+           rope_cos  float32 (1, D, 1, S)  cos of each token's rotary angles (both halves)
+           rope_sin  float32 (1, D, 1, S)
+           mask      float32 (1, L, 1, S)  additive: 0 where a token may attend, MASK_VALUE not
+           write_pos int32   (1,)          the slot where the S new keys/values are written
+  states   k_cache   fp16 (N * kv_heads, L, 1, D)
+           v_cache   fp16 (N * kv_heads, D, 1, L)
+  outputs  logits_0 .. logits_{c-1}  fp16 (1, V_i, 1, S): the head's scores in chunks of at
+           most MAX_DIM rows, in head order
+
+The embedding lookup happens on the host, in MLX, from the target's own table: the draft reads
+the target's embedding (49152 x 576 for the default target), so doing the lookup in the package
+would duplicate 56 MB of weights and put a large gather on the Neural Engine. The draft's own
+input projection (when its width differs from the embedding's) is inside the package.
+
+Rotary angles are computed on the host in float64: in fp16 on the device, position * frequency
+loses the position's low bits beyond ~2048.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from ..errors import InvalidParameter, ModelLoadError
+from .net import DraftConfig, DraftNet
+
+FORMAT = "mirror-mlx-coreml-draft/1"
+MAX_DIM = 16384  # the Neural Engine's practical limit on any one dimension (APPLE_APIS 2.2)
+MASK_VALUE = -1e4  # fp16-safe "minus infinity": a fully masked (padding) row stays finite
+INPUTS = ("embeds", "rope_cos", "rope_sin", "mask", "write_pos")
+STATES = ("k_cache", "v_cache")
+COMPUTE_UNITS = "CPU_AND_NE"  # Core ML does not store the units in a package: this key does
+META = "mirror_mlx."  # prefix of our keys in the package's user-defined metadata
+
+
+def head_chunks(head_size: int) -> list[int]:
+    """Rows per logits output: equal chunks of at most MAX_DIM."""
+    n = -(-head_size // MAX_DIM)
+    base, extra = divmod(head_size, n)
+    return [base + (i < extra) for i in range(n)]
+
+
+def query_sizes(max_tokens: int) -> tuple[int, ...]:
+    """The enumerated query lengths: powers of two below `max_tokens`, and `max_tokens`."""
+    if max_tokens < 1:
+        raise InvalidParameter(f"max-branch-tokens must be at least 1 (got {max_tokens})")
+    sizes, s = [], 1
+    while s < max_tokens:
+        sizes.append(s)
+        s *= 2
+    return (*sizes, max_tokens)
+
+
+@dataclass
+class PackageSpec:
+    """Everything about a package that its user needs, stored in its metadata."""
+
+    config: DraftConfig
+    context: int  # L: KV slots in the state
+    query_sizes: tuple[int, ...]  # enumerated S, ascending
+    weights_sha256: str = ""
+    source: str = ""  # the draft spec it was exported from
+    source_sha256: str = ""  # of the files the source was loaded from (see source_sha256)
+    compress: str = "none"
+    compute_units: str = COMPUTE_UNITS
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def kv_heads(self) -> int:
+        return self.config.num_layers * self.config.num_kv_heads
+
+    @property
+    def outputs(self) -> list[str]:
+        return [f"logits_{i}" for i in range(len(head_chunks(self.config.head_size)))]
+
+    def input_shape(self, name: str, s: int) -> tuple[int, ...]:
+        c = self.config
+        return {"embeds": (1, c.embed_size, 1, s), "rope_cos": (1, c.head_dim, 1, s),
+                "rope_sin": (1, c.head_dim, 1, s), "mask": (1, self.context, 1, s),
+                "write_pos": (1,)}[name]
+
+    def state_shape(self, name: str) -> tuple[int, ...]:
+        c = self.config
+        if name == "k_cache":
+            return (self.kv_heads, self.context, 1, c.head_dim)
+        return (self.kv_heads, c.head_dim, 1, self.context)
+
+    def check(self) -> None:
+        c = self.config
+        if c.head_dim % 2:
+            raise ModelLoadError(f"head_dim {c.head_dim} is odd: rotary embedding needs it even")
+        if not 0 < self.context <= MAX_DIM:
+            raise InvalidParameter(f"context must be in 1..{MAX_DIM} (got {self.context})")
+        if max(self.query_sizes) > self.context:
+            raise InvalidParameter("max-branch-tokens cannot exceed the context")
+        if max(c.embed_size, c.hidden_size, c.intermediate_size,
+               c.num_heads * c.head_dim) > MAX_DIM:
+            raise ModelLoadError(f"a draft wider than {MAX_DIM} does not fit the Neural Engine")
+
+    def to_metadata(self) -> dict[str, str]:
+        return {
+            META + "format": FORMAT,
+            META + "source": self.source,
+            META + "vocab_size": str(self.config.vocab_size),
+            META + "head_size": str(self.config.head_size),
+            META + "context": str(self.context),
+            META + "query_sizes": ",".join(map(str, self.query_sizes)),
+            META + "weights_sha256": self.weights_sha256,
+            META + "source_sha256": self.source_sha256,
+            META + "compress": self.compress,
+            META + "compute_units": self.compute_units,
+            META + "draft_config": json.dumps(asdict(self.config), separators=(",", ":")),
+            **{META + k: str(v) for k, v in self.extra.items()},
+        }
+
+    @staticmethod
+    def from_metadata(meta: dict[str, str], where: str = "package") -> PackageSpec:
+        if meta.get(META + "format") != FORMAT:
+            raise ModelLoadError(f"{where}: not a mirror-mlx draft package (no {FORMAT} "
+                                 "metadata); export one with `mirror-mlx export-draft`")
+        try:
+            return PackageSpec(
+                config=DraftConfig(**json.loads(meta[META + "draft_config"])),
+                context=int(meta[META + "context"]),
+                query_sizes=tuple(int(s) for s in meta[META + "query_sizes"].split(",")),
+                weights_sha256=meta[META + "weights_sha256"],
+                source=meta[META + "source"],
+                source_sha256=meta[META + "source_sha256"],
+                compress=meta[META + "compress"],
+                compute_units=meta[META + "compute_units"],
+            )
+        except (KeyError, ValueError, TypeError) as e:
+            raise ModelLoadError(f"{where}: damaged draft metadata ({e})") from e
+
+
+def draft_weights(net: DraftNet) -> dict[str, np.ndarray]:
+    """The weights a package holds, float32 and dequantized, under the DraftNet's names: every
+    layer, the final norm, the input projection, and the head (the shared embedding when the
+    head is tied to it)."""
+    config = net.config
+    out = {}
+    for name, module in net.named_modules():
+        if name == "embed_tokens" and not config.tie_head:
+            continue
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w = mx.dequantize(module.weight, module.scales, module.get("biases"),
+                              module.group_size, module.bits, mode=module.mode, stream=mx.cpu)
+        elif isinstance(module, (nn.Linear, nn.Embedding, nn.RMSNorm)):
+            w = module.weight
+        else:
+            continue
+        out[f"{name}.weight"] = np.array(w.astype(mx.float32), copy=True)
+        if "bias" in module:
+            out[f"{name}.bias"] = np.array(module.bias.astype(mx.float32), copy=True)
+    return out
+
+
+def weights_sha256(weights: dict[str, np.ndarray]) -> str:
+    """A hash of the weights as the package stores them (fp16): what the package computes
+    with, so a reference run can check it has the same weights."""
+    h = hashlib.sha256()
+    for name in sorted(weights):
+        w = np.ascontiguousarray(weights[name], dtype=np.float16)
+        h.update(f"{name}:{w.shape};".encode())
+        h.update(w.tobytes())
+    return h.hexdigest()
+
+
+def source_sha256(path: Path) -> str:
+    """A hash of the files a draft is loaded from (a file, or a folder's files outside any
+    .mlpackage in it). Unlike the weights in memory, which depend on the dtype policy and on
+    how each platform dequantizes, the files are the same everywhere: this is what matches a
+    package to the draft beside it."""
+    if path.is_file():
+        files = [path]
+    else:
+        files = sorted(f for f in path.rglob("*") if f.is_file() and not any(
+            part.endswith(".mlpackage") for part in f.relative_to(path).parts))
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"{f.relative_to(path) if f != path else f.name}:".encode())
+        with open(f, "rb") as stream:
+            while block := stream.read(1 << 20):
+                h.update(block)
+    return h.hexdigest()
+
+
+def rope_tables(positions: np.ndarray, head_dim: int, base: float) -> tuple[np.ndarray, ...]:
+    """(cos, sin), each (len(positions), head_dim), for non-traditional rotary embedding: the
+    pairs are (i, i + head_dim / 2), so both halves share one angle."""
+    inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    angles = np.asarray(positions, dtype=np.float64)[:, None] * inv[None, :]
+    angles = np.concatenate([angles, angles], axis=1)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)

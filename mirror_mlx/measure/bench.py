@@ -1,0 +1,288 @@
+"""The benchmark harness: every mode on the same prompts, in one process, on one loaded target.
+
+Modes: `ar`, `sd`, `mirror` (ours) and `mlx-lm`, `mlx-lm-sd` (mlx-lm's own generation, target
+only and speculative, on the same target and draft weights). After a warm-up generation per
+mode, the modes take turns on each prompt, in an order that rotates from prompt to prompt and
+repeat to repeat, so that machine drift (thermals, other load) spreads over all of them.
+
+Every mode is timed from outside by the same clock around its stream of target steps:
+time to first token = request start to the first step's tokens (prefill plus one step); decode
+tokens per second = tokens after the first step / time after it; latency = start to end.
+Every generation prefills its whole prompt (no KV cache carried between generations), so all
+modes do the same work; a later turn of a conversation follows the mode's own earlier reply.
+
+Energy is measured in a phase of its own, after the timing: IOReport-style counters need long
+windows, so each mode generates back-to-back for `energy_seconds`, after an idle window of the
+same length that gives the baseline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from ..api import Engine
+from ..decode.sampling import SamplingParams
+from ..draft.load import load_draft
+from ..errors import InvalidParameter
+from ..models.load import LoadedModel
+from ..progress import Progress
+from .energy import EnergyReading, MeterChoice, measure
+from .mlx_lm_modes import MLXLMDraft, mlx_lm_steps, tokenizer_wrapper
+from .prompts import BenchPrompt
+from .stats import GenerationStats
+
+MODES = ("ar", "sd", "mirror", "mlx-lm", "mlx-lm-sd")
+TIMELINE_MODE = "mirror"
+
+
+@dataclass
+class BenchConfig:
+    modes: tuple[str, ...] = MODES
+    max_tokens: int = 128
+    temperature: float = 0.0
+    repeats: int = 1
+    gamma: int = 5
+    seed: int = 0
+    draft: str | None = None  # draft spec (draft/load.py); None: the default draft
+    energy_seconds: float = 20.0
+    warmup_tokens: int = 8
+
+    def check(self) -> None:
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown or not self.modes or len(set(self.modes)) != len(self.modes):
+            raise InvalidParameter(f"--modes takes distinct modes from {', '.join(MODES)} "
+                                   f"(got {','.join(self.modes) or 'none'})")
+        for name, value, low in (("max-tokens", self.max_tokens, 1), ("repeats", self.repeats, 1),
+                                 ("gamma", self.gamma, 1)):
+            if value < low:
+                raise InvalidParameter(f"--{name} must be at least {low} (got {value})")
+        if self.energy_seconds < 0:
+            raise InvalidParameter(f"--energy-seconds must be >= 0 (got {self.energy_seconds})")
+        SamplingParams(temperature=self.temperature)  # validates
+
+
+@dataclass
+class Run:
+    """One generation of one mode: a turn of a prompt, in one repeat."""
+
+    mode: str
+    question_id: str
+    category: str
+    turn: int
+    repeat: int
+    token_ids: list[int]
+    first_step_tokens: int
+    ttft_s: float
+    latency_s: float
+    stats: GenerationStats
+
+    @property
+    def generated_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def decode_tokens_per_second(self) -> float | None:
+        """Tokens after the first target step per second after it; None if there were none."""
+        after = self.generated_tokens - self.first_step_tokens
+        spent = self.latency_s - self.ttft_s
+        return after / spent if after > 0 and spent > 0 else None
+
+
+@dataclass
+class EnergyResult:
+    backend: str
+    note: str
+    idle: EnergyReading | None = None
+    modes: dict[str, tuple[EnergyReading, int]] = field(default_factory=dict)  # tokens too
+
+
+@dataclass
+class BenchResult:
+    config: BenchConfig
+    runs: list[Run]
+    energy: EnergyResult
+    timeline: list[tuple[str, float, float]]  # first Mirror-SD generation, seconds from start
+    draft: dict  # what the speculative modes drafted with
+
+
+class _Mode:
+    """A mode as the harness drives it: `steps` yields each target step's tokens and returns
+    the generation's GenerationStats."""
+
+    def __init__(self, name: str, target: LoadedModel, config: BenchConfig,
+                 engine: Engine | None = None, mlx_draft: MLXLMDraft | None = None):
+        self.name, self.target, self.config = name, target, config
+        self.engine, self.mlx_draft = engine, mlx_draft
+        self.wrapper = tokenizer_wrapper(target) if engine is None else None
+
+    def steps(self, ids: list[int], max_tokens: int, seed: int,
+              timeline: list | None = None) -> Iterator[list[int]]:
+        temperature = self.config.temperature
+        if self.engine is None:
+            stats = GenerationStats(mode=self.name)
+            yield from mlx_lm_steps(self.target, self.wrapper, ids, max_tokens, temperature,
+                                    seed, self.mlx_draft, self.config.gamma, stats)
+            return stats
+        session = self.engine.session
+        session.reset()  # no KV cache carried over: every mode prefills the whole prompt
+        session.timeline = timeline
+        stats = None
+        try:
+            for chunk in self.engine.stream(ids, max_tokens=max_tokens, sampling=SamplingParams(
+                    temperature=temperature, seed=seed)):
+                stats = chunk.stats or stats
+                if chunk.token_ids:
+                    yield chunk.token_ids
+        finally:
+            session.timeline = None
+        return stats
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def _open_modes(target: LoadedModel, config: BenchConfig) -> tuple[Engine, dict[str, _Mode]]:
+    """The modes, and an engine whose `encode` gives every mode the same prompt ids."""
+    ar = Engine(target, mode="ar")
+    modes: dict[str, _Mode] = {}
+    try:
+        for name in config.modes:
+            if name == "ar":
+                modes[name] = _Mode(name, target, config, engine=ar)
+            elif name in ("sd", "mirror"):
+                modes[name] = _Mode(name, target, config, engine=Engine(
+                    target, mode=name, draft=config.draft, gamma=config.gamma))
+            elif name == "mlx-lm":
+                modes[name] = _Mode(name, target, config)
+            else:
+                draft = MLXLMDraft(load_draft(config.draft, target))
+                modes[name] = _Mode(name, target, config, mlx_draft=draft)
+    except BaseException:
+        for m in modes.values():
+            m.close()
+        ar.close()
+        raise
+    return ar, modes
+
+
+def _describe_draft(target: LoadedModel, config: BenchConfig) -> dict:
+    if not any(m in config.modes for m in ("sd", "mirror", "mlx-lm-sd")):
+        return {}
+    c = load_draft(config.draft, target).config
+    return {"spec": config.draft or "default", "layers": c.num_layers,
+            "hidden_size": c.hidden_size, "head_size": c.head_size, "gamma": config.gamma}
+
+
+def _timed(mode: _Mode, ids: list[int], max_tokens: int, seed: int,
+           timeline: list | None = None) -> tuple[list[int], int, float, float, GenerationStats]:
+    """(tokens, first step's token count, TTFT, latency, stats), on the harness's clock."""
+    tokens: list[int] = []
+    first = 0
+    start = time.perf_counter()
+    t_first = None
+    gen = mode.steps(ids, max_tokens, seed, timeline)
+    while True:
+        try:
+            step = next(gen)
+        except StopIteration as done:
+            stats = done.value
+            break
+        if t_first is None:
+            t_first, first = time.perf_counter(), len(step)
+        tokens += step
+    end = time.perf_counter()
+    ttft = (t_first or end) - start
+    # mlx-lm's stream does not time itself: its stats take the harness's times.
+    stats.ttft_s, stats.total_s = stats.ttft_s or ttft, stats.total_s or end - start
+    return tokens, first, ttft, end - start, stats
+
+
+def _conversation(prompt: BenchPrompt, replies: list[str], turn: int) -> str | list[dict]:
+    if turn == 0:
+        return prompt.turns[0]  # text: a model without a chat template takes it as it is
+    messages = []
+    for i in range(turn):
+        messages += [{"role": "user", "content": prompt.turns[i]},
+                     {"role": "assistant", "content": replies[i]}]
+    return messages + [{"role": "user", "content": prompt.turns[turn]}]
+
+
+def run_bench(target: LoadedModel, prompts: list[BenchPrompt], config: BenchConfig,
+              energy: MeterChoice, quiet: bool = False) -> BenchResult:
+    config.check()
+    if not prompts:
+        raise InvalidParameter("no prompts to run")
+    encoder, modes = _open_modes(target, config)
+    try:
+        draft = _describe_draft(target, config)
+        warm = prompts[0]
+        for mode in modes.values():
+            _timed(mode, encoder.encode(warm.turns[0]),
+                   min(config.warmup_tokens, config.max_tokens), config.seed)
+        runs, timeline = _timing_phase(target, prompts, config, encoder, modes, quiet)
+        energy_result = _energy_phase(prompts, config, encoder, modes, energy, quiet)
+    finally:
+        for mode in modes.values():
+            mode.close()
+        encoder.close()
+    return BenchResult(config, runs, energy_result, timeline, draft)
+
+
+def _timing_phase(target, prompts, config, encoder, modes, quiet):
+    names = list(modes)
+    total = config.repeats * len(names) * sum(len(p.turns) for p in prompts)
+    progress = Progress("bench", total, "gen", quiet=quiet)
+    runs: list[Run] = []
+    timeline: list = []
+    recorded = False
+    for r in range(config.repeats):
+        for i, prompt in enumerate(prompts):
+            k = (i + r) % len(names)
+            for name in names[k:] + names[:k]:
+                replies: list[str] = []
+                for turn in range(len(prompt.turns)):
+                    ids = encoder.encode(_conversation(prompt, replies, turn))
+                    spans = [] if name == TIMELINE_MODE and not recorded else None
+                    seed = config.seed + 1000 * r + turn
+                    tokens, first, ttft, latency, stats = _timed(
+                        modes[name], ids, config.max_tokens, seed, spans)
+                    if spans:
+                        t0 = min(a for _, a, _ in spans)
+                        timeline = [(label, a - t0, b - t0) for label, a, b in spans]
+                        recorded = True
+                    runs.append(Run(name, prompt.question_id, prompt.category, turn, r, tokens,
+                                    first, ttft, latency, stats))
+                    replies.append(target.tokenizer.decode(tokens, skip_special_tokens=True))
+                    progress.advance(1, f"{name} q{prompt.question_id}.{turn + 1}")
+    progress.close()
+    return runs, timeline
+
+
+def _energy_phase(prompts, config, encoder, modes, energy: MeterChoice, quiet):
+    result = EnergyResult(energy.backend, energy.note)
+    if not energy.available or config.energy_seconds == 0:
+        if energy.available:
+            result.note += "; not measured (--energy-seconds 0)"
+        return result
+    meter, window = energy.meter, config.energy_seconds
+    progress = Progress("energy", len(modes) + 1, "window", quiet=quiet)
+    result.idle, _ = measure(meter, lambda: time.sleep(window))
+    progress.advance(1, "idle")
+    firsts = [encoder.encode(p.turns[0]) for p in prompts]
+    for name, mode in modes.items():
+
+        def work(mode=mode):
+            tokens, start, i = 0, time.perf_counter(), 0
+            while time.perf_counter() - start < window:
+                out = _timed(mode, firsts[i % len(firsts)], config.max_tokens, config.seed + i)
+                tokens += len(out[0])
+                i += 1
+            return tokens
+
+        result.modes[name] = measure(meter, work)
+        progress.advance(1, name)
+    progress.close()
+    return result

@@ -1,0 +1,250 @@
+"""A bench result -> summary statistics, JSON (raw data, machine, versions), a Markdown report."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform as _platform
+import statistics
+from dataclasses import asdict
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+from ..models.load import LoadedModel
+from ..platform import machine_info
+from .bench import BenchResult, Run
+
+# Per-generation metrics, summarized as median and min-max.
+METRICS = ("ttft_s", "decode_tokens_per_second", "latency_s", "tokens_per_step", "reuse_rate",
+           "fallback_rate", "speedup_vs_ar", "speedup_vs_mlx_lm_sd")
+BASELINES = {"speedup_vs_ar": "ar", "speedup_vs_mlx_lm_sd": "mlx-lm-sd"}
+LABELS = {"ar": "AR (ours)", "sd": "SD (ours)", "mirror": "Mirror-SD (ours)",
+          "mlx-lm": "mlx-lm", "mlx-lm-sd": "mlx-lm SD"}
+
+
+def spread(values: list[float | None]) -> dict | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"median": statistics.median(values), "min": min(values), "max": max(values),
+            "n": len(values)}
+
+
+def run_metrics(runs: list[Run]) -> list[dict]:
+    """Each run's metrics; speedups compare decode tokens per second with the baseline mode's
+    run of the same prompt, turn and repeat."""
+    key = lambda r: (r.question_id, r.turn, r.repeat)  # noqa: E731
+    tps = {(r.mode, *key(r)): r.decode_tokens_per_second for r in runs}
+    out = []
+    for r in runs:
+        m = {"ttft_s": r.ttft_s, "decode_tokens_per_second": r.decode_tokens_per_second,
+             "latency_s": r.latency_s,
+             "tokens_per_step": r.stats.acceptance_length or None,
+             "reuse_rate": r.stats.reuse_rate if r.mode == "mirror" else None,
+             "fallback_rate": r.stats.fallback_rate if r.mode == "mirror" else None}
+        for name, base in BASELINES.items():
+            b = tps.get((base, *key(r)))
+            mine = r.decode_tokens_per_second
+            m[name] = mine / b if mine is not None and b else None
+        out.append(m)
+    return out
+
+
+def _group(runs: list[Run], metrics: list[dict], by) -> dict:
+    groups: dict = {}
+    for r, m in zip(runs, metrics):
+        groups.setdefault(by(r), []).append(m)
+    return {k: {name: spread([m[name] for m in ms]) for name in METRICS} | {"runs": len(ms)}
+            for k, ms in groups.items()}
+
+
+def greedy_agreement(result: BenchResult) -> dict:
+    """For greedy runs: how many generations of each mode equal AR's token for token."""
+    if result.config.temperature != 0 or "ar" not in result.config.modes:
+        return {}
+    ref = {(r.question_id, r.turn, r.repeat): r.token_ids for r in result.runs if r.mode == "ar"}
+    out = {}
+    for mode in result.config.modes:
+        if mode == "ar":
+            continue
+        mine = [r for r in result.runs if r.mode == mode]
+        same = [r for r in mine if r.token_ids == ref[(r.question_id, r.turn, r.repeat)]]
+        differ = [{"question_id": r.question_id, "turn": r.turn, "repeat": r.repeat,
+                   "at": _first_difference(r.token_ids, ref[(r.question_id, r.turn, r.repeat)])}
+                  for r in mine if r not in same]
+        out[mode] = {"identical": len(same), "total": len(mine), "differ": differ}
+    return out
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def energy_summary(result: BenchResult) -> dict:
+    e = result.energy
+    out = {"backend": e.backend, "note": e.note, "modes": {}}
+    if e.idle is None:
+        return out
+    idle_w = e.idle.watts
+    out["idle"] = {"seconds": e.idle.seconds, "joules": e.idle.joules, "watts": idle_w}
+    for mode, (reading, tokens) in e.modes.items():
+        net = reading.total_j - idle_w * reading.seconds
+        out["modes"][mode] = {
+            "seconds": reading.seconds, "tokens": tokens, "joules": reading.joules,
+            "watts": reading.watts,
+            "joules_per_token": reading.total_j / tokens if tokens else None,
+            "net_joules_per_token": net / tokens if tokens else None}
+    return out
+
+
+def summarize(result: BenchResult) -> dict:
+    metrics = run_metrics(result.runs)
+    per_prompt = _group(result.runs, metrics, lambda r: (r.question_id, r.mode))
+    prompts: dict = {}
+    for (qid, mode), s in per_prompt.items():
+        category = next(r.category for r in result.runs if r.question_id == qid)
+        prompts.setdefault(qid, {"category": category})[mode] = s
+    per_category: dict = {}
+    for (category, mode), s in _group(result.runs, metrics,
+                                      lambda r: (r.category, r.mode)).items():
+        per_category.setdefault(category, {})[mode] = s
+    return {"overall": _group(result.runs, metrics, lambda r: r.mode),
+            "per_category": per_category, "per_prompt": prompts,
+            "greedy_agreement": greedy_agreement(result), "energy": energy_summary(result)}
+
+
+def _versions() -> dict:
+    out = {"python": _platform.python_version()}
+    for pkg in ("mirror-mlx", "mlx", "mlx-cpu", "mlx-metal", "mlx-lm", "numpy", "transformers",
+                "matplotlib"):
+        try:
+            out[pkg] = version(pkg)
+        except PackageNotFoundError:
+            pass
+    return out
+
+
+def _machine() -> dict:
+    import mlx.core as mx
+
+    info = asdict(machine_info())
+    try:
+        info["device_name"] = mx.device_info().get("device_name", "")
+    except (AttributeError, RuntimeError):
+        pass
+    return info
+
+
+def to_json(result: BenchResult, summary: dict, target: LoadedModel, prompts_source: str,
+            command: str) -> dict:
+    return {
+        "command": command,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": _machine(),
+        "versions": _versions(),
+        "target": {"spec": target.name, "path": str(target.path), "dtype": target.dtype,
+                   "layers": target.num_layers},
+        "draft": result.draft,
+        "prompts": {"source": prompts_source,
+                    "questions": len({r.question_id for r in result.runs}),
+                    "categories": sorted({r.category for r in result.runs})},
+        "config": asdict(result.config),
+        "summary": summary,
+        "timeline": [{"label": a, "start_s": b, "end_s": c} for a, b, c in result.timeline],
+        "runs": [{"mode": r.mode, "question_id": r.question_id, "category": r.category,
+                  "turn": r.turn, "repeat": r.repeat, "ttft_s": r.ttft_s,
+                  "latency_s": r.latency_s,
+                  "decode_tokens_per_second": r.decode_tokens_per_second,
+                  "first_step_tokens": r.first_step_tokens, "token_ids": r.token_ids,
+                  "stats": r.stats.to_dict()} for r in result.runs],
+    }
+
+
+def _cell(s: dict | None, digits: int = 2, with_range: bool = False, pct: bool = False) -> str:
+    if s is None:
+        return "—"
+    fmt = (lambda v: f"{100 * v:.0f}%") if pct else (lambda v: f"{v:.{digits}f}")
+    text = fmt(s["median"])
+    return f"{text} ({fmt(s['min'])}–{fmt(s['max'])})" if with_range else text
+
+
+_HEADER = ("| TTFT s | decode tok/s | latency s | tok/step | reuse | fallback | × AR "
+           "| × mlx-lm SD |")
+
+
+def _row(s: dict) -> str:
+    return " | ".join([
+        str(s["runs"]), _cell(s["ttft_s"], 3), _cell(s["decode_tokens_per_second"], 1),
+        _cell(s["latency_s"], 2), _cell(s["tokens_per_step"], 2),
+        _cell(s["reuse_rate"], pct=True), _cell(s["fallback_rate"], pct=True),
+        _cell(s["speedup_vs_ar"], 2, True), _cell(s["speedup_vs_mlx_lm_sd"], 2, True)])
+
+
+def markdown(doc: dict, plots: dict[str, str]) -> str:
+    s, c = doc["summary"], doc["config"]
+    m, t, d = doc["machine"], doc["target"], doc["draft"]
+    lines = [
+        "# mirror-mlx bench", "",
+        f"Command: `{doc['command']}`", "",
+        f"- Machine: {m['platform']} {m['machine']}, {m.get('device_name') or ''} "
+        f"({m['cpu_count']} cores); MLX {m['mlx_version']} on {m['mlx_device']} "
+        f"({m['mlx_backend']}), BLAS {m['blas']}",
+        f"- Target: {t['spec']} ({t['dtype']}, {t['layers']} layers)",
+        f"- Draft: {d['spec']} ({d['layers']} layers, hidden {d['hidden_size']}, head "
+        f"{d['head_size']} tokens), gamma {d['gamma']}" if d else "- Draft: none",
+        f"- Prompts: {doc['prompts']['source']} ({doc['prompts']['questions']} questions, "
+        f"{len(doc['prompts']['categories'])} categories); {c['max_tokens']} new tokens, "
+        f"temperature {c['temperature']}, {c['repeats']} repeat(s), modes interleaved",
+        f"- Created {doc['created']}; versions: "
+        + ", ".join(f"{k} {v}" for k, v in doc["versions"].items()),
+        "",
+        "All modes are timed by the same clock around their stream of target steps. TTFT: "
+        "request start to the first step's tokens. Decode tok/s: tokens after the first step / "
+        "time after it. Latency: start to end. Speedups: decode tok/s over the baseline's on "
+        "the same prompt, turn and repeat, median (min–max). Other columns: medians.",
+        "",
+        "## All categories", "",
+        "| Mode | runs " + _HEADER,
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode, row in s["overall"].items():
+        lines.append(f"| {LABELS[mode]} | {_row(row)} |")
+    lines += ["", "## Per category", "", "| Category | Mode | runs " + _HEADER,
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for category, modes in sorted(s["per_category"].items()):
+        for mode in c["modes"]:
+            if mode in modes:
+                lines.append(f"| {category} | {LABELS[mode]} | {_row(modes[mode])} |")
+    lines += ["", "## Per prompt (decode tok/s, median)", "",
+              "| Question | Category | " + " | ".join(LABELS[m] for m in c["modes"]) + " |",
+              "|---|---|" + "---:|" * len(c["modes"])]
+    for qid, row in s["per_prompt"].items():
+        cells = [_cell(row[m]["decode_tokens_per_second"], 1) if m in row else "—"
+                 for m in c["modes"]]
+        lines.append(f"| {qid} | {row['category']} | " + " | ".join(cells) + " |")
+    if s["greedy_agreement"]:
+        lines += ["", "## Greedy agreement with AR (ours)", ""]
+        for mode, a in s["greedy_agreement"].items():
+            lines.append(f"- {LABELS[mode]}: {a['identical']}/{a['total']} generations "
+                         "token-identical" + (f"; first differences at {a['differ']}"
+                                              if a["differ"] else ""))
+    e = s["energy"]
+    lines += ["", "## Energy", "", f"Meter: {e['backend']} — {e['note']}.", ""]
+    if "idle" in e:
+        lines += [f"Idle baseline: {e['idle']['watts']:.2f} W over {e['idle']['seconds']:.1f} s.",
+                  "", "| Mode | window s | tokens | avg W | J/token | J/token above idle | "
+                  "rails (J) |", "|---|---:|---:|---:|---:|---:|---|"]
+        for mode, r in e["modes"].items():
+            rails = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["joules"].items()))
+            jpt = "—" if r["joules_per_token"] is None else f"{r['joules_per_token']:.4f}"
+            net = "—" if r["net_joules_per_token"] is None else f"{r['net_joules_per_token']:.4f}"
+            lines.append(f"| {LABELS[mode]} | {r['seconds']:.1f} | {r['tokens']} | "
+                         f"{r['watts']:.2f} | {jpt} | {net} | {rails} |")
+    if plots:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{title}]({name})" for title, name in plots.items()]
+    return "\n".join(lines) + "\n"
+
+
+def write_json(doc: dict, path: Path) -> None:
+    path.write_text(json.dumps(doc, indent=1))

@@ -1,0 +1,254 @@
+"""Distil a draft from a target's own samples (`mirror-mlx distill`).
+
+The draft starts as the target's first layers, its final norm, and an output layer restricted
+to the tokens the target actually writes most (rows of the target's embedding): the LM head
+dominates a small model's cost (PLATFORM.md), and a restricted head cuts it several-fold. The
+input embedding stays the target's (shared, frozen, not stored). Training minimizes the cross
+entropy between the target's top-k distribution (renormalized over the tokens the head can
+produce) and the draft's, on response positions only.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten, tree_map, tree_unflatten
+
+from ..draft.load import target_info
+from ..draft.net import DraftConfig, DraftNet
+from ..errors import InvalidParameter
+from ..models.load import LoadedModel
+from ..progress import Progress
+
+
+@dataclass
+class TrainConfig:
+    layers: int = 3
+    head_tokens: int = 8192
+    seq_len: int = 384
+    batch: int = 8
+    epochs: float = 2.0
+    lr: float = 3e-4
+    warmup: int = 50
+    seed: int = 0
+    holdout: float = 0.02
+
+
+@dataclass
+class Example:
+    tokens: np.ndarray  # prompt + response, cropped to seq_len
+    first: int  # index in `tokens` of the first response token
+    top_ids: np.ndarray  # (len(tokens) - first, k): target's top tokens predicting each one
+    top_logp: np.ndarray
+
+
+def examples(shards: list[dict], seq_len: int) -> list[Example]:
+    out = []
+    for s in shards:
+        pos = 0
+        for r in range(len(s["prompt_len"])):
+            a, b = int(s["offsets"][r]), int(s["offsets"][r + 1])
+            n_resp = b - a - int(s["prompt_len"][r])
+            ids, lp = s["top_ids"][pos : pos + n_resp], s["top_logp"][pos : pos + n_resp]
+            pos += n_resp
+            toks = s["tokens"][a:b]
+            first = len(toks) - n_resp
+            # Keep the end of the prompt and as much response as fits.
+            start = max(0, min(first - 32, len(toks) - seq_len))
+            end = min(len(toks), start + seq_len)
+            keep = end - first
+            out.append(Example(toks[start:end], first - start, ids[:keep], lp[:keep]))
+    return out
+
+
+def head_vocabulary(shards: list[dict], size: int, vocab: int) -> list[int]:
+    """The `size` tokens the target writes most (counted over its top-1 and sampled tokens)."""
+    counts = np.zeros(vocab, np.int64)
+    for s in shards:
+        np.add.at(counts, s["top_ids"][:, 0], 1)
+        np.add.at(counts, s["tokens"], 1)
+    return sorted(int(i) for i in np.argsort(-counts)[:size])
+
+
+def init_draft(target: LoadedModel, layers: int, head_tokens: list[int]) -> DraftNet:
+    """The target's first `layers` layers, final norm and (restricted) tied head, as copies."""
+    args = target.model.args
+    config = DraftConfig(
+        hidden_size=args.hidden_size, num_layers=layers,
+        intermediate_size=args.intermediate_size, num_heads=args.num_attention_heads,
+        num_kv_heads=args.num_key_value_heads,
+        head_dim=args.head_dim or args.hidden_size // args.num_attention_heads,
+        vocab_size=args.vocab_size, embed_size=args.hidden_size, rms_norm_eps=args.rms_norm_eps,
+        rope_theta=args.rope_theta, head_tokens=head_tokens, target=target_info(target))
+    net = DraftNet(config)
+    source = DraftNet.from_llama(target.model, layers)
+    weights = {k: v for k, v in tree_flatten(source.parameters())
+               if k.startswith(("layers.", "norm."))}
+    embed = target.model.model.embed_tokens
+    weights["head.weight"] = embed.weight[mx.array(head_tokens)]
+    net.load_weights(list(weights.items()), strict=False)
+    net.embed_tokens = embed
+    net.embed_tokens.freeze()
+    mx.eval(net.parameters())
+    return net
+
+
+def _batches(items: list[Example], batch: int, seq_len: int, head_index: np.ndarray,
+             rng: np.random.Generator):
+    order = rng.permutation(len(items))
+    for at in range(0, len(order) - batch + 1, batch):
+        group = [items[i] for i in order[at : at + batch]]
+        yield _collate(group, seq_len, head_index)
+
+
+def _collate(group: list[Example], seq_len: int, head_index: np.ndarray):
+    """Inputs (B, L), soft targets over head indices (B, L, k) with weights, and a mask."""
+    k = group[0].top_ids.shape[1]
+    L = min(seq_len, max(len(e.tokens) for e in group)) - 1
+    x = np.zeros((len(group), L), np.int32)
+    tid = np.zeros((len(group), L, k), np.int32)
+    tw = np.zeros((len(group), L, k), np.float32)
+    for b, e in enumerate(group):
+        n = min(len(e.tokens) - 1, L)
+        x[b, :n] = e.tokens[:n]
+        # Position t predicts token t + 1; response token j sits at first + j.
+        for j in range(len(e.top_ids)):
+            t = e.first + j - 1
+            if not 0 <= t < n:
+                continue
+            idx = head_index[e.top_ids[j]]
+            p = np.exp(e.top_logp[j].astype(np.float32)) * (idx >= 0)
+            if p.sum() > 0:
+                tid[b, t] = np.maximum(idx, 0)
+                tw[b, t] = p / p.sum()
+    return mx.array(x), mx.array(tid), mx.array(tw)
+
+
+def _loss(net: DraftNet, x, tid, tw):
+    logits = net(x)
+    logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    picked = mx.take_along_axis(logp, tid, axis=-1)
+    per_pos = -(picked * tw).sum(-1)
+    mask = tw.sum(-1) > 0
+    return (per_pos * mask).sum() / mx.maximum(mask.sum(), 1)
+
+
+def agreement(net: DraftNet, items: list[Example], head_index: np.ndarray,
+              seq_len: int) -> dict:
+    """Held-out agreement: how often the draft's best token is the target's best token."""
+    hit = total = 0
+    for at in range(0, len(items), 8):
+        x, tid, tw = _collate(items[at : at + 8], seq_len, head_index)
+        pred = mx.argmax(net(x), axis=-1)
+        target_top = tid[..., 0]
+        valid = tw.sum(-1) > 0
+        # The first soft target is the target's argmax when it lies in the head vocabulary.
+        is_top = tw[..., 0] >= tw.max(-1)
+        hit += int(((pred == target_top) & valid & is_top).sum())
+        total += int(valid.sum())
+    return {"top1_agreement": hit / max(total, 1), "positions": total}
+
+
+def train_draft(target: LoadedModel, shards: list[dict], out: Path, cfg: TrainConfig) -> dict:
+    """Train and save a draft under out/draft; resumes from out/checkpoint when present."""
+    if cfg.layers < 1 or cfg.layers >= target.num_layers:
+        raise InvalidParameter(f"--layers must be in 1..{target.num_layers - 1}")
+    rng = np.random.default_rng(cfg.seed)
+    mx.random.seed(cfg.seed)
+    items = examples(shards, cfg.seq_len)
+    rng.shuffle(items)
+    n_hold = max(1, int(len(items) * cfg.holdout))
+    held, items = items[:n_hold], items[n_hold:]
+    if len(items) < cfg.batch:
+        raise InvalidParameter(f"only {len(items)} training examples; generate more data")
+    head = head_vocabulary(shards, cfg.head_tokens, target.vocab_size)
+    head_index = np.full(target.vocab_size, -1, np.int64)
+    head_index[head] = np.arange(len(head))
+    net = init_draft(target, cfg.layers, head)
+
+    steps_per_epoch = len(items) // cfg.batch
+    total = max(1, int(steps_per_epoch * cfg.epochs))
+    schedule = optim.join_schedules(
+        [optim.linear_schedule(cfg.lr * 0.01, cfg.lr, cfg.warmup),
+         optim.cosine_decay(cfg.lr, max(1, total - cfg.warmup), cfg.lr * 0.05)],
+        [cfg.warmup])
+    opt = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
+    ckpt = out / "checkpoint"
+    step = _resume(ckpt, net, opt)
+    loss_and_grad = nn.value_and_grad(net, _loss)
+
+    def update(x, tid, tw):
+        loss, grads = loss_and_grad(net, x, tid, tw)
+        grads, _ = optim.clip_grad_norm(grads, 1.0)
+        opt.update(net, grads)
+        return loss
+
+    progress = Progress("distilling", total, unit="step")
+    progress.advance(step)
+    epoch_rng = np.random.default_rng(cfg.seed + 1)
+    done = 0
+    ema = first = None
+    started = time.perf_counter()
+    while step < total:
+        for x, tid, tw in _batches(items, cfg.batch, cfg.seq_len, head_index, epoch_rng):
+            if done < step:  # fast-forward the data order after a resume
+                done += 1
+                continue
+            loss = update(x, tid, tw)
+            mx.eval(loss, net.parameters(), opt.state)
+            step += 1
+            done += 1
+            first = float(loss) if first is None else first
+            ema = float(loss) if ema is None else 0.95 * ema + 0.05 * float(loss)
+            progress.advance(1, extra=f"loss {ema:.3f}")
+            if step % 100 == 0 or step == total:
+                _checkpoint(ckpt, net, opt, step)
+            if step >= total:
+                break
+    progress.close()
+    report = {"steps": step, "first_loss": first, "final_loss": ema,
+              "train_seconds": time.perf_counter() - started,
+              "examples": len(items), "head_tokens": len(head),
+              **agreement(net, held, head_index, cfg.seq_len)}
+    net.save(out / "draft")
+    (out / "draft" / "training.json").write_text(json.dumps(
+        {"config": cfg.__dict__, **report}, indent=1))
+    return report
+
+
+def _checkpoint(folder: Path, net: DraftNet, opt, step: int) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    weights = dict(tree_flatten(net.trainable_parameters()))
+    state = {f"opt.{k}": v for k, v in tree_flatten(opt.state) if isinstance(v, mx.array)}
+    mx.save_safetensors(str(folder / "state.safetensors"), {**weights, **state},
+                        metadata={"step": str(step)})
+
+
+def _resume(folder: Path, net: DraftNet, opt) -> int:
+    path = folder / "state.safetensors"
+    if not path.exists():
+        return 0
+    tensors, meta = mx.load(str(path), return_metadata=True)
+    net.load_weights([(k, v) for k, v in tensors.items() if not k.startswith("opt.")],
+                     strict=False)
+    state = tree_unflatten([(k[4:], v) for k, v in tensors.items() if k.startswith("opt.")])
+    opt.init(net.trainable_parameters())
+    opt.state = tree_map(lambda x: x, {**opt.state, **state})
+    return int(meta["step"])
+
+
+
+def run_distill(target: LoadedModel, out: Path, cfg: TrainConfig, conversations: int,
+                max_new: int = 200, batch: int = 48, prompts_file: Path | None = None) -> dict:
+    """Sample data from the target (resuming), then train and save the draft."""
+    from .data import generate_data, load_data
+
+    folder = generate_data(target, out, conversations, cfg.seed, max_new, batch, prompts_file)
+    return train_draft(target, load_data(folder), out, cfg)

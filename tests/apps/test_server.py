@@ -1,0 +1,301 @@
+"""The OpenAI-compatible server on the real default model, through the `openai` package and a
+raw HTTP client: replies equal the Engine's, malformed requests get 4xx errors, a client that
+leaves cancels its generation, concurrent clients are served one after another."""
+
+import http.client
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from mirror_mlx.api import Engine
+from mirror_mlx.errors import MirrorError
+
+import openai
+import pytest
+
+from apps.server.app import Server, serve
+
+CONTEXT = 512
+CHAT = [{"role": "user", "content": "Name three colors."}]
+
+
+def start(engine: Engine, **options) -> Server:
+    server = Server(engine, "127.0.0.1", 0, **options)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(target):
+    engine = Engine(target, context=CONTEXT)
+    server = start(engine)
+    yield server
+    server.shutdown()
+    server.server_close()
+    engine.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=120)
+
+
+def raw(server: Server, method: str, path: str, body=None, headers=None):
+    """One request with http.client; returns (status, decoded JSON body)."""
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    conn.request(method, path, body=data, headers=headers or {})
+    response = conn.getresponse()
+    out = response.status, json.loads(response.read())
+    conn.close()
+    return out
+
+
+def finished(caplog, timeout: float = 30) -> list[str]:
+    """The server's per-request log lines (one per finished generation)."""
+    end = time.monotonic() + timeout
+    while True:
+        lines = [r.getMessage() for r in caplog.records if r.name == "apps.server.app"
+                 and " generated," in r.getMessage()]
+        if lines or time.monotonic() > end:
+            return lines
+        time.sleep(0.02)
+
+
+def test_models(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == [server.model_id] and models[0].owned_by == "mirror-mlx"
+    assert client.models.retrieve(server.model_id).id == server.model_id
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+def test_chat_equals_engine_streaming_and_not(client, server, target):
+    expected = Engine(target).generate(CHAT, max_tokens=16)
+    reply = client.chat.completions.create(model=server.model_id, messages=CHAT, max_tokens=16,
+                                           temperature=0)
+    assert reply.choices[0].message.content == expected.text
+    assert reply.choices[0].finish_reason == ("length" if len(expected.token_ids) == 16
+                                              else "stop")
+    assert reply.usage.prompt_tokens == expected.stats.prompt_tokens
+    assert reply.usage.completion_tokens == len(expected.token_ids)
+    assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
+    assert reply.mirror_stats["mode"] == "ar" and reply.mirror_stats["tokens_per_second"] > 0
+
+    chunks = list(client.chat.completions.create(
+        model=server.model_id, messages=CHAT, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected.text
+    ends = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert len(ends) == 1 and ends[0].mirror_stats["generated_tokens"] == len(expected.token_ids)
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(
+        expected.token_ids)
+    assert len([c for c in chunks if c.choices and c.choices[0].delta.content]) > 3
+
+
+def test_completions_equal_engine(client, server, target):
+    prompt = "The three primary colors are"
+    expected = Engine(target).generate(prompt, max_tokens=6, chat_template=False)
+    whole = client.completions.create(model=server.model_id, prompt=prompt, max_tokens=6,
+                                      temperature=0)
+    assert whole.choices[0].text == expected.text and whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 6
+    streamed = list(client.completions.create(model=server.model_id, prompt=prompt,
+                                              max_tokens=6, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == expected.text
+    assert streamed[-1].choices[0].finish_reason == "length"
+    by_ids = client.completions.create(model=server.model_id, prompt=target.tokenizer.encode(
+        prompt), max_tokens=6, temperature=0)
+    assert by_ids.choices[0].text == expected.text
+
+
+def test_mirror_server_is_lossless(target):
+    """Greedy Mirror-SD through HTTP gives exactly the target-only Engine's tokens."""
+    expected = Engine(target).generate(CHAT, max_tokens=8)
+    with Engine(target, mode="mirror") as engine:
+        server = start(engine)
+        try:
+            client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+            reply = client.chat.completions.create(model="anything", messages=CHAT,
+                                                   max_tokens=8, temperature=0)
+        finally:
+            server.shutdown()
+            server.server_close()
+    assert reply.choices[0].message.content == expected.text
+    stats = reply.mirror_stats
+    assert stats["mode"] == "mirror" and stats["target_steps"] > 0
+    for key in ("acceptance_length", "acceptance_rate", "reuse_rate", "fallback_rate",
+                "overlap_fraction", "tokens_per_second"):
+        assert key in stats
+
+
+MALFORMED = [
+    # (body, status, param)
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"model": "m"}, 400, "messages"),
+    ({"messages": []}, 400, "messages"),
+    ({"messages": "hello"}, 400, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, 400, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     400, "messages[0].content"),
+    ({"messages": CHAT, "temperature": "hot"}, 400, "temperature"),
+    ({"messages": CHAT, "temperature": 2.5}, 400, "temperature"),
+    ({"messages": CHAT, "top_p": 0}, 400, "top_p"),
+    ({"messages": CHAT, "max_tokens": 0}, 400, "max_tokens"),
+    ({"messages": CHAT, "max_tokens": 1.5}, 400, "max_tokens"),
+    ({"messages": CHAT, "n": 2}, 400, "n"),
+    ({"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
+    ({"messages": CHAT, "stop": 7}, 400, "stop"),
+    ({"messages": CHAT, "stream": "yes"}, 400, "stream"),
+    ({"messages": CHAT, "seed": -1}, 400, "seed"),
+    ({"messages": CHAT, "logprobs": True}, 400, "logprobs"),
+    ({"messages": CHAT, "temprature": 0.5}, 400, "temprature"),
+    ({"messages": [{"role": "user", "content": "word " * 2000}]}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("body,status,param", MALFORMED,
+                         ids=[f"{i}" for i in range(len(MALFORMED))])
+def test_malformed_chat_requests(server, body, status, param):
+    got, reply = raw(server, "POST", "/v1/chat/completions", body,
+                     {"Content-Type": "application/json"})
+    assert got == status, reply
+    error = reply["error"]
+    assert error["message"] and error["type"] == "invalid_request_error"
+    assert error["param"] == param, error
+
+
+def test_malformed_http(server, client):
+    assert raw(server, "POST", "/v1/completions", {"prompt": ["a", "b"]})[0] == 400
+    assert raw(server, "POST", "/v1/completions", {"prompt": ""})[0] == 400
+    assert raw(server, "POST", "/v1/completions", {"prompt": [1, 10**9]})[0] == 400
+    status, reply = raw(server, "POST", "/v1/completions", {"prompt": "x " * 1000})
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
+    assert raw(server, "GET", "/v1/chat/completions")[0] == 405
+    assert raw(server, "GET", "/v2/anything")[0] == 404
+    assert raw(server, "POST", "/v1/embeddings", {"input": "x"})[0] == 404
+
+    # By hand: http.client always sends a Content-Length. The size limit is judged from the
+    # header, before a byte of the body is read.
+    for headers, status in ((b"", b"411"),
+                            (b"Content-Length: %d\r\n" % (server.max_body + 1), b"413")):
+        with socket.create_connection(server.server_address[:2], timeout=30) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + headers +
+                         b"\r\n")
+            assert sock.recv(100).startswith(b"HTTP/1.1 " + status)
+
+    # The openai package maps the 400 to its own exception; the server is still fine.
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model="m", messages=CHAT, temperature=-1)
+    ok = client.chat.completions.create(model="m", messages=CHAT, max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+
+
+def _request_bytes(server: Server, body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "waiting"])
+def test_client_disconnect_cancels(server, caplog, stream):
+    caplog.set_level(logging.INFO, logger="apps.server.app")
+    engine = server.engine
+    body = {"messages": [{"role": "user", "content": "Write a long essay about rivers."}],
+            "max_tokens": 400, "temperature": 0, "stream": stream}
+    sock = socket.create_connection(server.server_address[:2], timeout=60)
+    sock.sendall(_request_bytes(server, body))
+    if stream:
+        seen = b""
+        while seen.count(b"data: ") < 3:  # the opening chunk, then text
+            seen += sock.recv(4096)
+        assert seen.startswith(b"HTTP/1.1 200")
+    else:
+        deadline = time.monotonic() + 30
+        while not engine.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.3)
+    sock.close()
+    [line] = finished(caplog)
+    assert line.endswith("finish cancelled"), line
+    generated = int(line.split(" generated,")[0].split()[-1])
+    assert generated < 100
+    assert not engine.busy
+
+
+def test_concurrent_clients_are_queued(server, target, caplog):
+    caplog.set_level(logging.INFO, logger="apps.server.app")
+    prompts = [f"Name a {thing}." for thing in ("fruit", "river", "planet")]
+    results: dict[str, str] = {}
+
+    def ask(prompt):
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+        reply = client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": prompt}], max_tokens=4,
+            temperature=0, stream=prompt.endswith("river."))
+        results[prompt] = (reply.choices[0].message.content if not prompt.endswith("river.")
+                           else "".join(c.choices[0].delta.content or "" for c in reply))
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    engine = Engine(target)
+    for p in prompts:
+        assert results[p] == engine.generate(p, max_tokens=4).text, p
+    assert len(finished(caplog)) == len(prompts)
+
+
+def test_queue_limit_gives_429(target):
+    with Engine(target) as engine:
+        server = start(engine, max_queue=1)
+        try:
+            holder = threading.Thread(target=lambda: raw(server, "POST", "/v1/completions", {
+                "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0}))
+            holder.start()
+            while not engine.busy:
+                time.sleep(0.01)
+            status, reply = raw(server, "POST", "/v1/completions", {"prompt": "Hi"})
+            assert status == 429 and "try again" in reply["error"]["message"]
+            engine.cancel()
+            holder.join(timeout=30)
+        finally:
+            server.shutdown()
+            server.server_close()
+
+
+def test_serve_command(default_gguf):
+    """`mirror-mlx serve` as a user runs it: prints its address, serves, stops on Ctrl-C."""
+    with subprocess.Popen(
+            [sys.executable, "-m", "mirror_mlx", "serve", "--model", str(default_gguf), "--port",
+             "0", "--max-tokens", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
+        try:
+            line = proc.stdout.readline()
+            assert " at http://127.0.0.1:" in line, line + proc.stderr.read()
+            client = openai.OpenAI(base_url=line.split(" at ")[1].strip(), api_key="unused",
+                                   max_retries=0)
+            reply = client.chat.completions.create(model="m", messages=CHAT)
+            assert reply.usage.completion_tokens == 3  # the server's --max-tokens
+            client.close()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=30) == 0, proc.stderr.read()
+        finally:
+            proc.kill()
+
+
+def test_serve_reports_an_address_it_cannot_use(server):
+    host, port = server.server_address[:2]
+    with pytest.raises(MirrorError, match=f"cannot listen on {host}:{port}"):
+        serve(server.engine, host, port)  # taken by the test's server

@@ -1,0 +1,160 @@
+"""The Core ML draft backend's own logic, on Linux through the reference executor: Mirror-SD
+with the inline drafter is lossless, the inline queue keeps its order, errors reset the cache,
+the reference holds callers to Core ML's input rules, and the backend is chosen as documented."""
+
+import dataclasses
+from collections import Counter
+
+from mirror_mlx.api import Engine
+from mirror_mlx.decode.mirror import MirrorConfig
+from mirror_mlx.draft.base import Job
+from mirror_mlx.draft.coreml_draft import (
+    CoreMLDrafter,
+    CoreMLExecutor,
+    check_target,
+    mlx_embedding,
+)
+from mirror_mlx.draft.coreml_package import source_sha256
+from mirror_mlx.draft.load import load_draft
+from mirror_mlx.draft.mlx_draft import MLXDrafter
+from mirror_mlx.draft.select import beside, make_drafter
+from mirror_mlx.errors import IncompatibleDraft, ModelLoadError, PromptTooLong
+from mirror_mlx.platform import coreml_can_run
+from mirror_mlx.session import DecodeSettings, Session
+
+import numpy as np
+import pytest
+
+from coreml_export.convert import package_spec
+from coreml_export.reference import ReferenceModel
+from tests.prompts import PROMPTS
+
+MAX_TOKENS = 16
+
+
+def reference_drafter(net, context=512, max_branch_tokens=8) -> CoreMLDrafter:
+    spec, weights = package_spec(net, context, max_branch_tokens)
+    model = ReferenceModel(spec, weights)
+    return CoreMLDrafter(CoreMLExecutor(model, spec, mlx_embedding(net.embed_tokens)))
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(target):
+    engine = Engine(target)
+    return [(engine.encode(p), engine.generate(p, max_tokens=MAX_TOKENS).token_ids)
+            for p in PROMPTS[:2]]
+
+
+@pytest.fixture(scope="module")
+def self4(target):
+    return load_draft("self:4", target)
+
+
+def test_mirror_through_coreml_backend_equals_greedy(target, reference_tokens, self4):
+    """With the target's first 4 layers as the draft, steps end in branch reuse (the rolled-out
+    branch's KV slots are moved inside the Core ML state) and in fallback."""
+    drafter = reference_drafter(self4)
+    settings = DecodeSettings("mirror", 4, MirrorConfig(kappa=8, exit_layer=25, budget=4))
+    session = Session(target, None, drafter, settings)
+    outcomes = Counter()
+    for ids, expected in reference_tokens:
+        session.reset()
+        session.timeline = []
+        out = [t for chunk in session.generate(ids, max_tokens=MAX_TOKENS)
+               for t in chunk.token_ids]
+        assert out == expected
+        outcomes += Counter(label.split(":")[1] for label, _, _ in session.timeline
+                            if label.startswith("outcome:"))
+    assert outcomes["branch"] and outcomes["fallback"], outcomes
+    drafter.close()
+
+
+def test_vanilla_sd_waits_on_futures_without_run_pending(target, reference_tokens, self4):
+    """The vanilla decoder never calls run_pending: waiting on a job runs the queue."""
+    drafter = reference_drafter(self4)
+    session = Session(target, None, drafter, DecodeSettings("sd", 4))
+    ids, expected = reference_tokens[0]
+    out = [t for chunk in session.generate(ids, max_tokens=10) for t in chunk.token_ids]
+    assert out == expected[:10]  # greedy: a shorter generation is a prefix of the longer one
+    drafter.close()
+
+
+def test_inline_queue_order_errors_and_close(target, small_draft):
+    drafter = reference_drafter(small_draft, context=64)
+    C = target.tokenizer.encode(PROMPTS[3])
+    # Jobs wait for run_pending (or for a result), and run in order with reseeds.
+    first = drafter.submit(Job([C], 3))
+    assert not first.done()
+    drafter.reseed(7)
+    second = drafter.submit(Job([C], 3))
+    drafter.run_pending()
+    assert first.done() and second.done()
+    assert first.result().rollouts[0].tokens == second.result().rollouts[0].tokens
+    assert second.result().reused_tokens == len(C) - 1  # the cache held the context
+
+    # Past the package's context: a clear error, and the cache starts afresh after it.
+    too_long = drafter.submit(Job([C * 8], 2))
+    with pytest.raises(PromptTooLong, match="holds 64 tokens"):
+        too_long.result()
+    again = drafter.submit(Job([C], 3)).result()
+    assert again.reused_tokens == 0
+    assert again.rollouts[0].tokens == first.result().rollouts[0].tokens
+
+    pending = drafter.submit(Job([C], 3))
+    drafter.close()
+    assert pending.cancelled()
+    drafter.close()
+
+
+def test_reference_holds_callers_to_coreml_rules(small_draft):
+    spec, weights = package_spec(small_draft, 64, 4)
+    model = ReferenceModel(spec, weights)
+    state = model.make_state()
+    ok = {name: np.zeros(spec.input_shape(name, 2),
+                         np.int32 if name == "write_pos" else np.float32)
+          for name in ("embeds", "rope_cos", "rope_sin", "mask", "write_pos")}
+    out = model.predict(ok, state)
+    assert list(out) == ["logits_0", "logits_1"]
+    assert out["logits_0"].dtype == np.float32 and out["logits_0"].shape == (1, 10000, 1, 2)
+    for name, bad in [("mask", ok["mask"].astype(np.float16)),
+                      ("write_pos", ok["write_pos"].astype(np.int64))]:
+        with pytest.raises(RuntimeError, match="not convertible"):
+            model.predict({**ok, name: bad}, state)
+    with pytest.raises(RuntimeError, match="query length 3"):
+        model.predict({n: np.zeros(spec.input_shape(n, 3), v.dtype) for n, v in ok.items()},
+                      state)
+    keys = state.read_state("k_cache")
+    assert keys.dtype == np.float32 and keys.shape == spec.state_shape("k_cache")
+    with pytest.raises(RuntimeError, match="not convertible"):
+        state.write_state("k_cache", keys.astype(np.float16))
+    state.write_state("k_cache", keys + 1)
+    assert (state.read_state("k_cache") == keys + 1).all()
+
+
+@pytest.mark.skipif(coreml_can_run(), reason="Core ML runs here: test_macos.py covers it")
+def test_backend_choice_without_coreml(target, small_draft, small_draft_folder, package,
+                                       package_spec):
+    """Where Core ML cannot run, the MLX drafter runs the draft, whether the spec names the
+    draft (with a package beside it) or the package (the draft it was exported from)."""
+    assert beside(str(small_draft_folder), target) == (small_draft_folder, package)
+    assert beside("self:2", target) is None
+    # The package names the files it came from (not counting itself, inside the folder).
+    assert package_spec.source_sha256 == source_sha256(small_draft_folder)
+    C = target.tokenizer.encode(PROMPTS[4])
+    expected = MLXDrafter(small_draft)
+    want = expected.submit(Job([C], 4)).result().rollouts[0].tokens
+    expected.close()
+    for spec in (str(small_draft_folder), str(package)):
+        drafter = make_drafter(spec, target)
+        assert isinstance(drafter, MLXDrafter)
+        assert drafter.submit(Job([C], 4)).result().rollouts[0].tokens == want
+        drafter.close()
+    with pytest.raises(ModelLoadError, match="no such Core ML package"):
+        make_drafter(str(small_draft_folder / "missing.mlpackage"), target)
+
+
+def test_package_for_another_vocabulary_is_refused(package_spec, target):
+    check_target(package_spec, target, "draft.mlpackage")  # the one it was made for passes
+    config = dataclasses.replace(package_spec.config, target={"name": "other", "vocab": "0"})
+    with pytest.raises(IncompatibleDraft, match="exported for another vocabulary"):
+        check_target(dataclasses.replace(package_spec, config=config), target, "draft.mlpackage")

@@ -1,0 +1,125 @@
+"""The ANE-layout PyTorch module (run by the reference executor, under the package's exact
+input/output/state contract) against the MLX draft, on real tokens: one token, several tokens,
+a tree-masked batch of branches, and after KV slots are moved.
+
+Tolerance: the module keeps its KV cache in fp16, as the package does; the MLX draft keeps
+float32. Measured here (pytest -s prints it): max |logit difference| 0.0064 for self:2, whose
+logits reach ~70, and 0.0005 for the small draft (logits up to ~3). The bound,
+2e-3 + 2e-4 x the largest |logit|, leaves 2.5x and 5x room; the best token must agree everywhere.
+"""
+
+from mirror_mlx.draft.coreml_draft import CoreMLExecutor, mlx_embedding
+from mirror_mlx.draft.coreml_package import draft_weights, query_sizes
+from mirror_mlx.draft.load import load_draft
+from mirror_mlx.draft.mlx_draft import MLXExecutor
+from mirror_mlx.draft.net import DraftNet
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from coreml_export.convert import package_spec
+from coreml_export.reference import ReferenceModel
+from tests.prompts import PROMPTS
+
+
+def close(a: np.ndarray, b: np.ndarray) -> float:
+    assert a.shape == b.shape and a.size
+    diff = float(np.abs(a - b).max())
+    print(f"max |logit difference| {diff:.4f}, largest |logit| {np.abs(a).max():.1f}")
+    assert diff <= 2e-3 + 2e-4 * float(np.abs(a).max()), diff
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+    return diff
+
+
+def executors(net, context=256, max_branch_tokens=8):
+    spec, weights = package_spec(net, context, max_branch_tokens)
+    embed = mlx_embedding(net.embed_tokens)
+    return MLXExecutor(net), CoreMLExecutor(ReferenceModel(spec, weights), spec, embed)
+
+
+def with_qkv_bias(net: DraftNet) -> DraftNet:
+    """The small draft with biases on q, k and v (as Qwen2 drafts have)."""
+    copy = DraftNet(net.config)
+    copy.update(net.parameters())
+    for layer in copy.layers:
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(layer.self_attn, name)
+            new = nn.Linear(old.weight.shape[1], old.weight.shape[0], bias=True)
+            new.weight = old.weight
+            setattr(layer.self_attn, name, new)
+    return copy
+
+
+@pytest.fixture(scope="module", params=["self:2", "small", "small+bias"])
+def pair(request, target, small_draft):
+    if request.param == "self:2":
+        return executors(load_draft(request.param, target))
+    return executors(small_draft if request.param == "small" else with_qkv_bias(small_draft))
+
+
+def test_logits_match_mlx(target, pair):
+    scenario(*pair, target.tokenizer, close)
+
+
+def scenario(mlx_ex, other, tok, check) -> None:
+    """The same calls on two executors, comparing logits with `check`."""
+    C = tok.encode(PROMPTS[0] + " " + PROMPTS[1])  # > 8 tokens: the prefill is split in calls
+    pair = (mlx_ex, other)
+    for ex in pair:
+        ex.truncate(0)
+        assert ex.forward(C, 0, None, []).size == 0
+    both = lambda *args: [ex.forward(*args) for ex in pair]  # noqa: E731
+
+    # One token, then several (causal, contiguous positions), then more than one call holds.
+    check(*both([C[-1]], len(C), None, [0]))
+    more = tok.encode(" The answer is simple and short, as far as I know.")
+    n = len(C) + 1
+    check(*both(more[:5], n, None, list(range(5))))
+    check(*both(more[5:], n + 5, None, list(range(len(more) - 5))))
+    n += len(more)
+
+    # A tree-masked batch: three branches hanging off the trunk at different depths, with
+    # explicit positions, fed together (as the rollout lays them out).
+    starts, branch = [n - 3, n - 1, n], [tok.encode(w) for w in (" red", " two green", " blue")]
+    tokens, positions, mask_rows, slots = [], [], [], []
+    size = n
+    for start, toks in zip(starts, branch):
+        mine = []
+        for j, t in enumerate(toks):
+            mine.append(size)
+            row = np.zeros(n + sum(map(len, branch)), bool)
+            row[:start] = True
+            row[mine] = True
+            tokens.append(t)
+            positions.append(start + j)
+            mask_rows.append(row)
+            slots.append(list(mine))
+            size += 1
+    check(*both(tokens, positions, np.array(mask_rows), list(range(len(tokens)))))
+
+    # The second branch becomes the main line: its slots move to where it leaves the trunk.
+    second = slots[len(branch[0]) + len(branch[1]) - 1]
+    for ex in pair:
+        ex.gather(starts[1], second)
+    check(*both([5], starts[1] + len(second), None, [0]))
+
+
+def test_query_sizes():
+    assert query_sizes(1) == (1,)
+    assert query_sizes(8) == (1, 2, 4, 8)
+    assert query_sizes(24) == (1, 2, 4, 8, 16, 24)
+
+
+def test_draft_weights_dequantize(small_draft):
+    """A quantized draft's weights go into the package dequantized, equal to what MLX
+    computes with."""
+    net = DraftNet(small_draft.config)  # its own weights: quantizing must not touch others
+    dense = draft_weights(net)
+    nn.quantize(net.layers[0].mlp, group_size=32, bits=8)
+    w = draft_weights(net)["layers.0.mlp.up_proj.weight"]
+    assert 0 < np.abs(w - dense["layers.0.mlp.up_proj.weight"]).max() < 0.01
+    x = np.random.default_rng(0).standard_normal((3, w.shape[1])).astype(np.float32)
+    expected = np.array(net.layers[0].mlp.up_proj(mx.array(x)))
+    assert np.abs(x @ w.T - expected).max() < 1e-4

@@ -1,0 +1,44 @@
+"""Distillation end to end on a tiny configuration with the real default target."""
+
+from mirror_mlx.draft.net import DraftNet
+from mirror_mlx.train.data import generate_data, load_data
+from mirror_mlx.train.distill import TrainConfig, train_draft
+
+import pytest
+
+
+@pytest.fixture(scope="module")
+def samples(target, tmp_path_factory):
+    out = tmp_path_factory.mktemp("distill")
+    folder = generate_data(target, out, conversations=16, seed=3, max_new=24, batch=8)
+    return out, load_data(folder)
+
+
+def test_samples_hold_target_top_k(samples, target):
+    _, shards = samples
+    s = shards[0]
+    n_resp = int((s["offsets"][1:] - s["offsets"][:-1] - s["prompt_len"]).sum())
+    assert s["top_ids"].shape == (n_resp, 8) and s["top_logp"].shape == (n_resp, 8)
+    # Log-probs are sorted, best first, and greedy rows (temperature 0) took the best token.
+    assert (s["top_logp"][:, :-1] >= s["top_logp"][:, 1:]).all()
+    pos = 0
+    for r, temp in enumerate(s["temperature"]):
+        a, b = s["offsets"][r] + s["prompt_len"][r], s["offsets"][r + 1]
+        if temp == 0:
+            assert (s["tokens"][a:b] == s["top_ids"][pos : pos + b - a, 0]).all()
+        pos += b - a
+
+
+def test_training_lowers_the_loss_and_resumes(samples, target):
+    out, shards = samples
+    cfg = TrainConfig(layers=1, head_tokens=1024, seq_len=96, batch=4, epochs=3, lr=2e-3,
+                      warmup=2, holdout=0.1)
+    report = train_draft(target, shards, out, cfg)
+    assert report["steps"] >= 6
+    assert report["final_loss"] < report["first_loss"]
+    net = DraftNet.load(out / "draft", embedding=target.model.model.embed_tokens)
+    assert net.config.num_layers == 1 and len(net.config.head_tokens) == 1024
+    # More epochs pick up from the checkpoint instead of starting over.
+    more = train_draft(target, shards, out, TrainConfig(**{**cfg.__dict__, "epochs": 4}))
+    assert more["steps"] > report["steps"]
+    assert more["first_loss"] < report["first_loss"]

@@ -1,0 +1,50 @@
+"""The draft and exit head shipped for the default target: they load, are used by default,
+and are good on freshly generated text (not the data they were trained on)."""
+
+from mirror_mlx.api import Engine
+from mirror_mlx.draft.load import SHIPPED_DRAFT, load_draft, load_exit_head
+from mirror_mlx.models import split
+from mirror_mlx.train.data import generate_data, load_data
+from mirror_mlx.train.distill import agreement, examples
+from mirror_mlx.train.exit_head import collect, coverage
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(not (SHIPPED_DRAFT / "config.json").exists(),
+                                reason="no draft shipped in mirror_mlx/assets")
+
+
+@pytest.fixture(scope="module")
+def fresh(target, tmp_path_factory):
+    """Greedy and sampled responses to prompts the draft never saw (another seed)."""
+    folder = generate_data(target, tmp_path_factory.mktemp("fresh"), conversations=12,
+                           seed=987_654, max_new=64, batch=12)
+    return examples(load_data(folder), 256)
+
+
+def test_default_draft_is_the_shipped_one(target):
+    net = load_draft(None, target)
+    assert net.config.num_layers < target.num_layers
+    assert net.config.head_tokens, "the shipped draft scores a restricted vocabulary"
+    with Engine(target, mode="mirror") as engine:
+        assert engine.session.settings.mirror.exit_head is not None
+
+
+def test_shipped_draft_agrees_with_the_target(target, fresh):
+    net = load_draft(None, target)
+    head_index = np.full(target.vocab_size, -1, np.int64)
+    head_index[np.array(net.config.head_tokens)] = np.arange(len(net.config.head_tokens))
+    result = agreement(net, fresh, head_index, 256)
+    assert result["positions"] > 300
+    assert result["top1_agreement"] > 0.6, result
+
+
+def test_exit_head_beats_the_raw_logit_lens(target, fresh):
+    head = load_exit_head(None, target)
+    acts = collect(target, fresh, [head.layer], 2000)
+    h = acts.hidden[head.layer]
+    raw = coverage(target.model, h, acts.top_ids, None, (8,))[8]
+    tuned = coverage(target.model, h, acts.top_ids, head, (8,))[8]
+    assert tuned > raw + 0.05, (raw, tuned)
+    assert isinstance(head, split.ExitHead)
