@@ -7,25 +7,25 @@ cd "$(dirname "$0")"
 extras=""
 if [[ "${1:-}" == "--test" ]]; then extras="[test]"; fi
 
-# On Linux, MLX's bundled reference BLAS is ~30x slower than OpenBLAS for prefill;
-# mirror-mlx uses OpenBLAS automatically when it is installed.
-if [[ "$(uname -s)" == Linux ]] && ! ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so\.0'; then
+# Debian packages, installed when running as root with apt; otherwise a note says what to do.
+apt_install() {
+  local why=$1; shift
   if [[ ${EUID:-$(id -u)} -eq 0 ]] && command -v apt-get >/dev/null; then
-    apt-get install -y -q libopenblas0-pthread >/dev/null 2>&1 ||
-      { apt-get update -q >/dev/null && apt-get install -y -q libopenblas0-pthread >/dev/null; }
+    apt-get install -y -q --no-install-recommends "$@" >/dev/null 2>&1 ||
+      { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends "$@" >/dev/null; }
   else
-    echo "note: for fast prefill install OpenBLAS (sudo apt-get install libopenblas0-pthread)" >&2
+    echo "note: $why (sudo apt-get install $*)" >&2
   fi
-fi
+}
 
-# The desktop chat test draws its window on a virtual X display.
-if [[ -n "$extras" && "$(uname -s)" == Linux ]] && ! command -v Xvfb >/dev/null; then
-  if [[ ${EUID:-$(id -u)} -eq 0 ]] && command -v apt-get >/dev/null; then
-    xvfb="xvfb fonts-dejavu-core"
-    apt-get install -y -q --no-install-recommends $xvfb >/dev/null 2>&1 ||
-      { apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends $xvfb >/dev/null; }
-  else
-    echo "note: the desktop chat test needs Xvfb (sudo apt-get install xvfb); skipped without" >&2
+if [[ "$(uname -s)" == Linux ]]; then
+  # MLX's bundled reference BLAS is ~30x slower than OpenBLAS for prefill; mirror-mlx uses
+  # OpenBLAS automatically when it is installed.
+  ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so\.0' ||
+    apt_install "for fast prefill install OpenBLAS" libopenblas0-pthread
+  # The desktop chat test draws its window on a virtual X display.
+  if [[ -n "$extras" ]] && ! command -v Xvfb >/dev/null; then
+    apt_install "the desktop chat test needs Xvfb; it is skipped without" xvfb fonts-dejavu-core
   fi
 fi
 

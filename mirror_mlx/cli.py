@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=8, help="training sequences per step")
     p.add_argument("--seq-len", type=int, default=384)
     p.add_argument("--max-new", type=int, default=200, help="longest sampled response")
+    p.add_argument("--streams", type=int, default=0,
+                   help="speculative streaming: extra tokens the draft predicts per forward")
     p.add_argument("--sample-batch", type=int, default=48, help="sequences sampled at once")
     p.add_argument("--seed", type=int, default=0)
 
@@ -280,7 +282,8 @@ def cmd_distill(args) -> None:
     from .train.distill import TrainConfig, run_distill
 
     cfg = TrainConfig(layers=args.layers, head_tokens=args.head_tokens, seq_len=args.seq_len,
-                      batch=args.batch, epochs=args.epochs, lr=args.lr, seed=args.seed)
+                      batch=args.batch, epochs=args.epochs, lr=args.lr, seed=args.seed,
+                      streams=args.streams)
     target = load(args.target, dtype="float32")
     report = run_distill(target, Path(args.out), cfg, args.conversations, args.max_new,
                          args.sample_batch, Path(args.prompts) if args.prompts else None)

@@ -8,7 +8,7 @@ import time
 
 def _human(n: float, unit: str) -> str:
     if unit != "B":
-        return f"{n:,.0f}{unit and ' ' + unit}"
+        return f"{n:,.{1 if 0 < n < 10 and n != int(n) else 0}f}{unit and ' ' + unit}"
     for suffix in ("B", "KB", "MB", "GB"):
         if n < 1024 or suffix == "GB":
             return f"{n:.1f} {suffix}" if suffix != "B" else f"{n:.0f} B"
@@ -20,9 +20,13 @@ class Progress:
     """`advance(n)` as work is done; `close()` when finished. Redraws at most 10 times a second,
     with rate and ETA; a plain line per 10% when stderr is not a terminal."""
 
-    def __init__(self, label: str, total: float, unit: str = "", quiet: bool = False):
+    def __init__(
+        self, label: str, total: float, unit: str = "", quiet: bool = False, done: float = 0.0
+    ):
+        """`done` is work already finished before this run (a resumed job): it counts toward the
+        bar but not toward the rate."""
         self.label, self.total, self.unit, self.quiet = label, total, unit, quiet
-        self.done = 0.0
+        self.done = self._resumed = float(done)
         self.start = self._last = time.perf_counter()
         self.tty = sys.stderr.isatty()
         self._last_decile = -1
@@ -48,8 +52,8 @@ class Progress:
     def line(self) -> str:
         elapsed = time.perf_counter() - self.start
         frac = min(1.0, self.done / self.total) if self.total else 1.0
-        rate = self.done / elapsed if elapsed > 0 else 0.0
-        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        rate = (self.done - self._resumed) / elapsed if elapsed > 0 else 0.0
+        eta = max(0.0, self.total - self.done) / rate if rate > 0 else float("inf")
         bar = "#" * int(24 * frac) + "-" * (24 - int(24 * frac))
         eta_text = f"ETA {eta:5.0f}s" if eta != float("inf") else "ETA    ?"
         return (

@@ -20,7 +20,7 @@ def autoregressive(
     logits = model(mx.array([[last]]), cache=cache)[0, -1]
     while True:
         token = sampler.pick(logits)
-        stats.target_steps += 1
+        stats.record_step(0, 0)
         logits = model(mx.array([[token]]), cache=cache)[0, -1]
         mx.async_eval(logits)
         yield [token]

@@ -152,9 +152,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
                 stats.reuse_steps += 1
             else:
                 stats.fallback_steps += 1
-        stats.target_steps += 1
-        stats.draft_tokens += g
-        stats.accepted_tokens += accepted
+        stats.record_step(g, accepted)
         new = drafts[:accepted] + [token]
         committed += new
         yield new

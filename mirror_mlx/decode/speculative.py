@@ -37,9 +37,7 @@ def speculative(model: nn.Module, cache: list, drafter: Drafter, committed: list
         t2 = time.perf_counter()
         stats.add_time("draft", t1 - t0)
         stats.add_time("target", t2 - t1)
-        stats.target_steps += 1
-        stats.draft_tokens += g
-        stats.accepted_tokens += accepted
+        stats.record_step(g, accepted)
         new = drafts[:accepted] + [token]
         committed += new
         yield new

@@ -53,6 +53,7 @@ class JobResult:
     end: float
     label: str = "draft"
     fed_tokens: int = 0  # tokens the draft had to process (a measure of its work)
+    forwards: int = 0  # sequential draft forwards the rollout took
     reused_tokens: int = 0  # tokens of the sequences it already held in its cache
     extra: dict = field(default_factory=dict)
 

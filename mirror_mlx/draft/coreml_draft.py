@@ -53,6 +53,7 @@ class CoreMLExecutor:
         self.runtime, self.spec, self.embed = runtime, spec, embed
         self.vocab_size = c.vocab_size
         self.head_ids = np.array(c.head_tokens or range(c.vocab_size), dtype=np.int32)
+        self.streams = 0
         self.state = runtime.make_state()
         self.size = 0  # slots in use; those beyond hold stale or padding entries, never read
         # Core ML may keep an input's memory bound for about a second after predict returns
@@ -121,7 +122,7 @@ class CoreMLExecutor:
                 out[[i for i, _ in mine]] = logits[:, [j for _, j in mine]].T
             done += take
         self.size = start + n
-        return out
+        return out[:, None]  # no speculative streams in a package: one token per row
 
     def _query_size(self, want: int, room: int) -> int:
         """The smallest enumerated length that holds `want` tokens, or the largest that fits
@@ -182,13 +183,7 @@ class CoreMLDrafter:
                     future.set_result(result)
 
     def _run(self, job: Job) -> JobResult:
-        try:
-            return run_job(job, self._executor, self._state, self._rng, self.top_k)
-        except BaseException:
-            # The cache may be half-updated: forget it; the next job prefills afresh.
-            self._state = TreeState()
-            self._executor.truncate(0)
-            raise
+        return run_job(job, self._executor, self._state, self._rng, self.top_k)
 
     def close(self) -> None:
         while self._pending:

@@ -102,6 +102,9 @@ class PackageSpec:
 
     def check(self) -> None:
         c = self.config
+        if c.stream_count:
+            raise ModelLoadError("drafts with speculative streams are not exported to Core ML "
+                                 "yet: their stream positions are an MLX-only path")
         if c.head_dim % 2:
             raise ModelLoadError(f"head_dim {c.head_dim} is odd: rotary embedding needs it even")
         if not 0 < self.context <= MAX_DIM:

@@ -14,7 +14,7 @@ import hashlib
 from pathlib import Path
 
 from ..errors import IncompatibleDraft, ModelLoadError
-from ..models.load import LoadedModel, load
+from ..models.load import LoadedModel, load, resolve_dtype
 from ..models.split import ExitHead, check_splittable
 from .net import DraftNet
 
@@ -58,7 +58,8 @@ def load_draft(spec: str | None, target: LoadedModel) -> DraftNet:
 
 
 def _load_folder(folder: Path, target: LoadedModel) -> DraftNet:
-    net = DraftNet.load(folder, embedding=target.model.model.embed_tokens)
+    net = DraftNet.load(folder, embedding=target.model.model.embed_tokens,
+                        dtype=resolve_dtype("auto"))
     made_for = net.config.target.get("vocab")
     if made_for and made_for != vocab_fingerprint(target.tokenizer):
         raise IncompatibleDraft(

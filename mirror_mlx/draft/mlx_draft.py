@@ -20,11 +20,8 @@ class MLXExecutor:
         self.net = net
         self.vocab_size = net.config.vocab_size
         self.head_ids = np.array(net.head_ids)
+        self.streams = net.config.stream_count
         self.cache = [KVCache() for _ in net.layers]
-
-    @property
-    def size(self) -> int:
-        return self.cache[0].offset
 
     def truncate(self, size: int) -> None:
         for c in self.cache:
@@ -41,12 +38,18 @@ class MLXExecutor:
         if not isinstance(positions, int):
             positions = mx.array([positions], dtype=mx.int32)
         mask = "causal" if mask is None else mx.array(mask)[None, None]
-        h = self.net.hidden(mx.array([tokens]), positions, mask, self.cache)
+        x = mx.array([tokens])
         if not rows:
+            self.net.hidden(x, positions, mask, self.cache)
             mx.eval([c.keys for c in self.cache] + [c.values for c in self.cache])
-            return np.zeros((0, 0), np.float32)
-        logits = self.net.logits(h[0, mx.array(rows)]).astype(mx.float32)
-        return np.array(logits)
+            return np.zeros((0, 1 + self.streams, 0), np.float32)
+        idx = mx.array(rows)
+        if self.streams:
+            main, streams = self.net.hidden_with_streams(x, positions, mask, self.cache, rows)
+            h = mx.concatenate([main[0, idx, None], streams[0]], axis=1)
+        else:
+            h = self.net.hidden(x, positions, mask, self.cache)[0, idx, None]
+        return np.array(self.net.logits(h).astype(mx.float32))
 
 
 class MLXDrafter:
@@ -80,14 +83,8 @@ class MLXDrafter:
         self._rng = np.random.default_rng(None if seed is None else seed + 1)
 
     def _run(self, job: Job) -> JobResult:
-        try:
-            with mx.stream(self._stream):
-                return run_job(job, self._executor, self._state, self._rng, self.top_k)
-        except BaseException:
-            # The cache may be half-updated: forget it; the next job prefills afresh.
-            self._state = TreeState()
-            self._executor.truncate(0)
-            raise
+        with mx.stream(self._stream):
+            return run_job(job, self._executor, self._state, self._rng, self.top_k)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -38,6 +38,9 @@ class DraftConfig:
     # Output vocabulary: token ids the head scores, in head order; empty = all of them.
     head_tokens: list[int] = field(default_factory=list)
     tie_head: bool = False  # head = the shared embedding (needs full vocab, same width)
+    # Speculative streaming (MIRROR_SD.md section 4): the top layer also runs this many stream
+    # positions after a token, predicting the tokens 2, 3, ... ahead in the same forward.
+    stream_count: int = 0
     shared_embedding: bool = True  # the input embedding is the target's, set at load time
     target: dict = field(default_factory=dict)  # what it was made for (name, vocab fingerprint)
 
@@ -118,6 +121,8 @@ class DraftNet(nn.Module):
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if not config.tie_head:
             self.head = nn.Linear(config.hidden_size, config.head_size, bias=False)
+        if config.stream_count:
+            self.stream_embed = 0.02 * mx.random.normal((config.stream_count, config.hidden_size))
         # Head index -> token id (identity when the head scores the whole vocabulary); the
         # leading underscore keeps it out of the parameters.
         self._head_ids = mx.array(config.head_tokens or list(range(config.vocab_size)), mx.int32)
@@ -135,6 +140,49 @@ class DraftNet(nn.Module):
         for i, layer in enumerate(self.layers):
             h = layer(h, positions, mask, cache[i] if cache is not None else None)
         return self.norm(h)
+
+    def hidden_with_streams(self, tokens: mx.array, positions: mx.array | int, mask,
+                            cache=None, rows: list[int] | None = None
+                            ) -> tuple[mx.array, mx.array]:
+        """Like `hidden`, plus the streams after each token of `rows` (default: all): (main
+        (B, T, hidden), streams (B, len(rows), stream_count, hidden)). Stream j after a token
+        at position p starts from that token's input to the top layer plus a learned stream
+        embedding, sits at position p + j, sees what the token sees and the streams before it,
+        and predicts the token at p + 1 + j. Streams leave nothing in the cache."""
+        S = self.config.stream_count
+        B, T = tokens.shape
+        rows = list(range(T)) if rows is None else rows
+        R = len(rows)
+        h = self.embed_tokens(tokens)
+        if "in_proj" in self:
+            h = self.in_proj(h)
+        *lower, top = self.layers
+        for i, layer in enumerate(lower):
+            h = layer(h, positions, mask, cache[i] if cache is not None else None)
+        idx = mx.array(rows)
+        streams = (h[:, idx, None, :] + self.stream_embed[None, None]).reshape(B, R * S, -1)
+        if isinstance(positions, int):
+            positions = mx.broadcast_to(mx.arange(positions, positions + T)[None], (B, T))
+        offsets = mx.arange(1, S + 1)[None, None]
+        stream_pos = (positions[:, idx, None] + offsets).reshape(B, R * S)
+        top_cache = cache[-1] if cache is not None else None
+        cached = top_cache.offset if top_cache is not None else 0
+        if mask is None or isinstance(mask, str):  # causal over the cache and the new tokens
+            mask = mx.arange(cached + T)[None] <= (cached + mx.arange(T))[:, None]
+            mask = mask[None, None]
+        seen = mx.repeat(mask[..., idx, :], S, axis=2)  # each stream sees what its token sees
+        among = mx.kron(mx.eye(R), mx.tril(mx.ones((S, S)))).astype(mx.bool_)
+        full = mx.concatenate([
+            mx.concatenate([mask, mx.zeros((*mask.shape[:2], T, R * S), mx.bool_)], axis=-1),
+            mx.concatenate([seen, mx.broadcast_to(among, (*seen.shape[:2], R * S, R * S))],
+                           axis=-1),
+        ], axis=2)
+        out = top(mx.concatenate([h, streams], axis=1),
+                  mx.concatenate([positions, stream_pos], axis=1), full, top_cache)
+        if top_cache is not None:
+            top_cache.offset -= R * S  # the streams' keys were appended last: drop them
+        out = self.norm(out)
+        return out[:, :T], out[:, T:].reshape(B, R, S, -1)
 
     def logits(self, h: mx.array) -> mx.array:
         """Scores over the head's vocabulary (see `head_ids`)."""

@@ -33,6 +33,7 @@ class Executor(Protocol):
 
     vocab_size: int
     head_ids: np.ndarray  # head index -> token id
+    streams: int  # tokens each forward predicts beyond the next one (speculative streaming)
 
     def truncate(self, size: int) -> None:
         """Keep slots [0, size)."""
@@ -42,8 +43,9 @@ class Executor(Protocol):
 
     def forward(self, tokens: list[int], positions: list[int] | int, mask: np.ndarray | None,
                 rows: list[int]) -> np.ndarray:
-        """Append `tokens` at the cache's end; return float32 logits (len(rows), head size)
-        for the listed token rows. `positions`: one per token, or an int (contiguous).
+        """Append `tokens` at the cache's end; return float32 logits (len(rows), 1 + streams,
+        head size) for the listed token rows: the next token, then (with speculative
+        streaming) the ones after it. `positions`: one per token, or an int (contiguous).
         `mask`: bool (len(tokens), cache size after the append), True = may attend; None =
         causal over the whole cache."""
 
@@ -97,6 +99,17 @@ def _compact(main: list[int], ex: Executor, state: TreeState) -> int:
 
 def run_job(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
             top_k: int = 4) -> JobResult:
+    try:
+        return _run(job, ex, state, rng, top_k)
+    except BaseException:
+        # The cache may be half-updated: forget it; the next job prefills afresh.
+        state.trunk, state.paths, state.size = [], [], 0
+        ex.truncate(0)
+        raise
+
+
+def _run(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
+         top_k: int) -> JobResult:
     start = time.perf_counter()
     seqs = [list(s) for s in job.sequences]
     if not seqs or any(not s for s in seqs):
@@ -133,7 +146,9 @@ def run_job(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
     feed = [s[b.start + len(b.tokens):] for s, b in zip(seqs, branches)]
     drafted: list[list[int]] = [[] for _ in seqs]
     tops, top_probs, qs = [[] for _ in seqs], [[] for _ in seqs], [[] for _ in seqs]
-    for _ in range(job.n):
+    forwards = 0
+    # With speculative streaming a forward drafts 1 + streams tokens per branch.
+    for _ in range(-(-job.n // (1 + ex.streams))):
         if job.cancel is not None and job.cancel.is_set():
             break
         tokens, positions, owners = [], [], []
@@ -154,24 +169,28 @@ def run_job(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
             if i + 1 == len(owners) or owners[i + 1] != b:
                 rows.append(i)
         logits = ex.forward(tokens, positions, mask, rows)
+        forwards += 1
         fed += len(tokens)
         state.size = new_size
-        for b, (token, ids, probs, q) in enumerate(
-            _choose(logits, ex.head_ids, ex.vocab_size, job, rng, top_k)
-        ):
+        take = min(logits.shape[1], job.n - len(drafted[0]))
+        chosen = _choose(logits[:, :take].reshape(-1, logits.shape[-1]), ex.head_ids,
+                         ex.vocab_size, job, rng, top_k)
+        feed = [[] for _ in seqs]
+        for i, (token, ids, probs, q) in enumerate(chosen):
+            b = i // take
             drafted[b].append(token)
+            feed[b].append(token)
             tops[b].append(ids)
             top_probs[b].append(probs)
             if q is not None:
                 qs[b].append(q)
-        feed = [[d[-1]] for d in drafted]
     state.paths += [b for b in branches if b.tokens]
     rollouts = [
         Rollout(drafted[b], np.array(tops[b]), np.array(top_probs[b]),
                 np.stack(qs[b]) if qs[b] else None)
         for b in range(len(seqs))
     ]
-    return JobResult(rollouts, start, time.perf_counter(), job.label, fed, reused)
+    return JobResult(rollouts, start, time.perf_counter(), job.label, fed, reused, forwards)
 
 
 def _choose(logits: np.ndarray, head_ids: np.ndarray, vocab: int, job: Job, rng, top_k: int):

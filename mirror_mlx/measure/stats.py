@@ -62,6 +62,12 @@ class GenerationStats:
         decided = self.reuse_steps + self.fallback_steps
         return self.fallback_steps / decided if decided else 0.0
 
+    def record_step(self, drafted: int, accepted: int) -> None:
+        """One target forward that verified `drafted` tokens and accepted `accepted`."""
+        self.target_steps += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+
     def add_time(self, key: str, seconds: float) -> None:
         self.time_s[key] = self.time_s.get(key, 0.0) + seconds
 

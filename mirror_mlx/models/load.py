@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from ..errors import ModelLoadError
 from ..platform import mlx_device
 from . import gguf
-from .default import ensure_default_model
+from .default import default_model_path, ensure_default_model
 from .gguf_tokenizer import tokenizer_from_gguf
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
@@ -60,7 +60,10 @@ def load(spec: str | None = None, dtype: str = "auto", quiet: bool = False) -> L
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix == ".gguf" or _has_gguf_magic(path):
-            return _load_gguf(path, dtype, name=spec)
+            # The cached default model, named by its path, is still the default (its shipped
+            # draft and exit head apply).
+            is_default = path.resolve() == default_model_path().resolve()
+            return _load_gguf(path, dtype, name="default" if is_default else spec)
         raise ModelLoadError(f"{spec}: not a GGUF file or a model directory")
     if path.is_dir():
         if (path / "config.json").is_file():

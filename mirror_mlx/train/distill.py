@@ -39,6 +39,7 @@ class TrainConfig:
     warmup: int = 50
     seed: int = 0
     holdout: float = 0.02
+    streams: int = 0  # speculative streaming: extra tokens predicted per draft forward
 
 
 @dataclass
@@ -77,7 +78,8 @@ def head_vocabulary(shards: list[dict], size: int, vocab: int) -> list[int]:
     return sorted(int(i) for i in np.argsort(-counts)[:size])
 
 
-def init_draft(target: LoadedModel, layers: int, head_tokens: list[int]) -> DraftNet:
+def init_draft(target: LoadedModel, layers: int, head_tokens: list[int],
+               streams: int = 0) -> DraftNet:
     """The target's first `layers` layers, final norm and (restricted) tied head, as copies."""
     args = target.model.args
     config = DraftConfig(
@@ -86,7 +88,8 @@ def init_draft(target: LoadedModel, layers: int, head_tokens: list[int]) -> Draf
         num_kv_heads=args.num_key_value_heads,
         head_dim=args.head_dim or args.hidden_size // args.num_attention_heads,
         vocab_size=args.vocab_size, embed_size=args.hidden_size, rms_norm_eps=args.rms_norm_eps,
-        rope_theta=args.rope_theta, head_tokens=head_tokens, target=target_info(target))
+        rope_theta=args.rope_theta, head_tokens=head_tokens, stream_count=streams,
+        target=target_info(target))
     net = DraftNet(config)
     source = DraftNet.from_llama(target.model, layers)
     weights = {k: v for k, v in tree_flatten(source.parameters())
@@ -131,13 +134,28 @@ def _collate(group: list[Example], seq_len: int, head_index: np.ndarray):
     return mx.array(x), mx.array(tid), mx.array(tw)
 
 
-def _loss(net: DraftNet, x, tid, tw):
-    logits = net(x)
+def _soft_ce(logits, tid, tw):
+    """Cross entropy against soft targets (weights `tw` over head indices `tid`), averaged
+    over the positions that have targets."""
     logp = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
-    picked = mx.take_along_axis(logp, tid, axis=-1)
-    per_pos = -(picked * tw).sum(-1)
+    per_pos = -(mx.take_along_axis(logp, tid, axis=-1) * tw).sum(-1)
     mask = tw.sum(-1) > 0
     return (per_pos * mask).sum() / mx.maximum(mask.sum(), 1)
+
+
+STREAM_WEIGHT = 0.1  # MIRROR_SD.md section 4: loss = CE(next) + 0.1 * sum_j CE(token t + j)
+
+
+def _loss(net: DraftNet, x, tid, tw):
+    if not net.config.stream_count:
+        return _soft_ce(net(x), tid, tw)
+    main, streams = net.hidden_with_streams(x, 0, "causal")
+    loss = _soft_ce(net.logits(main), tid, tw)
+    for j in range(1, net.config.stream_count + 1):
+        # Stream j after position t predicts the token that position t + j predicts.
+        loss = loss + STREAM_WEIGHT * _soft_ce(net.logits(streams[:, :-j, j - 1]),
+                                                tid[:, j:], tw[:, j:])
+    return loss
 
 
 def agreement(net: DraftNet, items: list[Example], head_index: np.ndarray,
@@ -171,7 +189,7 @@ def train_draft(target: LoadedModel, shards: list[dict], out: Path, cfg: TrainCo
     head = head_vocabulary(shards, cfg.head_tokens, target.vocab_size)
     head_index = np.full(target.vocab_size, -1, np.int64)
     head_index[head] = np.arange(len(head))
-    net = init_draft(target, cfg.layers, head)
+    net = init_draft(target, cfg.layers, head, cfg.streams)
 
     steps_per_epoch = len(items) // cfg.batch
     total = max(1, int(steps_per_epoch * cfg.epochs))
@@ -190,8 +208,7 @@ def train_draft(target: LoadedModel, shards: list[dict], out: Path, cfg: TrainCo
         opt.update(net, grads)
         return loss
 
-    progress = Progress("distilling", total, unit="step")
-    progress.advance(step)
+    progress = Progress("distilling", total, unit="step", done=step)
     epoch_rng = np.random.default_rng(cfg.seed + 1)
     done = 0
     ema = first = None

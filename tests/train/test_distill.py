@@ -1,5 +1,9 @@
 """Distillation end to end on a tiny configuration with the real default target."""
 
+from mirror_mlx.api import Engine
+from mirror_mlx.draft.base import Job
+from mirror_mlx.draft.load import load_draft
+from mirror_mlx.draft.mlx_draft import MLXDrafter
 from mirror_mlx.draft.net import DraftNet
 from mirror_mlx.train.data import generate_data, load_data
 from mirror_mlx.train.distill import TrainConfig, train_draft
@@ -42,3 +46,24 @@ def test_training_lowers_the_loss_and_resumes(samples, target):
     more = train_draft(target, shards, out, TrainConfig(**{**cfg.__dict__, "epochs": 4}))
     assert more["steps"] > report["steps"]
     assert more["first_loss"] < report["first_loss"]
+
+
+def test_speculative_streams_train_and_draft_several_tokens_per_forward(samples, target):
+    out, shards = samples
+    cfg = TrainConfig(layers=1, head_tokens=1024, seq_len=96, batch=4, epochs=3, lr=2e-3,
+                      warmup=2, holdout=0.1, streams=2)
+    report = train_draft(target, shards, out / "streams", cfg)
+    assert report["final_loss"] < report["first_loss"]
+    folder = out / "streams" / "draft"
+    drafter = MLXDrafter(load_draft(str(folder), target))
+    try:
+        prompt = target.tokenizer.encode("Tell me about rivers.")
+        result = drafter.submit(Job([prompt], 7)).result()
+        assert len(result.rollouts[0].tokens) == 7
+        assert result.forwards == 3  # 1 + 2 streams per forward
+    finally:
+        drafter.close()
+    # Lossless whatever the draft proposes.
+    with Engine(target, mode="sd", draft=str(folder), gamma=5) as engine:
+        got = engine.generate("Name two oceans.", max_tokens=16).token_ids
+    assert got == Engine(target).generate("Name two oceans.", max_tokens=16).token_ids
