@@ -133,7 +133,8 @@ def _run(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
             state.size = shared
             fed += len(ext)
     if job.n == 0:
-        return JobResult([], start, time.perf_counter(), job.label, fed, reused)
+        return JobResult([], start, time.perf_counter(), job.label, fed_tokens=fed,
+                         reused_tokens=reused)
 
     # Roll out every sequence as a branch, one batched forward per drafted token.
     branches = []
@@ -190,7 +191,8 @@ def _run(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
                 np.stack(qs[b]) if qs[b] else None)
         for b in range(len(seqs))
     ]
-    return JobResult(rollouts, start, time.perf_counter(), job.label, fed, reused, forwards)
+    return JobResult(rollouts, start, time.perf_counter(), job.label, fed_tokens=fed,
+                     forwards=forwards, reused_tokens=reused)
 
 
 def _choose(logits: np.ndarray, head_ids: np.ndarray, vocab: int, job: Job, rng, top_k: int):

@@ -96,6 +96,9 @@ class ExitHead(nn.Module):
             raise ModelLoadError(f"{path}: exit layer {layer} is outside 1..{num_layers - 1}")
         head = ExitHead(layer, hidden)
         head.proj.weight, head.proj.bias = weight.astype(mx.float32), bias.astype(mx.float32)
+        # Evaluated here: a lazy array belongs to this thread's stream, and decoding may run in
+        # another thread (a server's request handler), where that stream does not exist.
+        mx.eval(head.parameters())
         return head
 
 
