@@ -133,12 +133,7 @@ class Engine:
         if not isinstance(model, LoadedModel):
             model = load(model, dtype=dtype, quiet=quiet)
         self.target = model
-        head = load_exit_head(exit_head, model) if mode == "mirror" else None
-        if head and exit_layer and exit_layer != head.layer:
-            if exit_head not in (None, "default"):
-                raise InvalidParameter(f"the exit head was trained at layer {head.layer}, "
-                                       f"not at --exit-layer {exit_layer}")
-            head = None  # the shipped head belongs to another layer: the raw lens at this one
+        head = load_exit_head(exit_head, model, exit_layer) if mode == "mirror" else None
         layer = head.layer if head else exit_layer or round(model.num_layers * 5 / 6)
         settings = DecodeSettings(mode, gamma, MirrorConfig(
             gamma=gamma, kappa=kappa, exit_layer=layer, budget=branch_budget,

@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from ..errors import IncompatibleDraft, ModelLoadError
+from ..errors import IncompatibleDraft, InvalidParameter, ModelLoadError
 from ..models.load import LoadedModel, load, resolve_dtype
 from ..models.split import ExitHead, check_splittable
 from .net import DraftNet
@@ -81,9 +81,12 @@ def check_same_vocabulary(draft: LoadedModel, target: LoadedModel) -> None:
             "needs the same tokenizer")
 
 
-def load_exit_head(spec: str | None, target: LoadedModel) -> ExitHead | None:
+def load_exit_head(spec: str | None, target: LoadedModel,
+                   layer: int | None = None) -> ExitHead | None:
     """An exit head for Mirror-SD: a file, "none" (the raw logit lens), or "default" (the
-    shipped head when the target is the default model, else none)."""
+    shipped head when the target is the default model, else none). `layer`, when given, is
+    the exit layer asked for: the shipped head yields to the raw lens at another layer; a
+    named head must have been trained there."""
     check_splittable(target.model)
     spec = spec or "default"
     if spec == "none" or (spec == "default" and not (
@@ -92,4 +95,10 @@ def load_exit_head(spec: str | None, target: LoadedModel) -> ExitHead | None:
     path = SHIPPED_EXIT_HEAD if spec == "default" else Path(spec)
     if not path.is_file():
         raise ModelLoadError(f"{spec}: no such exit head file")
-    return ExitHead.load(path, target.model.args.hidden_size, target.num_layers)
+    head = ExitHead.load(path, target.model.args.hidden_size, target.num_layers)
+    if layer and layer != head.layer:
+        if spec != "default":
+            raise InvalidParameter(f"the exit head was trained at layer {head.layer}, "
+                                   f"not at --exit-layer {layer}")
+        return None
+    return head

@@ -134,12 +134,16 @@ class DraftNet(nn.Module):
     def hidden(self, tokens: mx.array, positions: mx.array | int, mask, cache=None) -> mx.array:
         """Final-normed hidden states (B, T, hidden). `mask`: None, "causal", or a boolean
         (B or 1, 1, T, cached + T) array, True where a token may attend."""
+        return self.norm(self._through(tokens, positions, mask, cache, len(self.layers)))
+
+    def _through(self, tokens: mx.array, positions, mask, cache, layers: int) -> mx.array:
+        """Embed `tokens` and run the first `layers` layers (no final norm)."""
         h = self.embed_tokens(tokens)
         if "in_proj" in self:
             h = self.in_proj(h)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:layers]):
             h = layer(h, positions, mask, cache[i] if cache is not None else None)
-        return self.norm(h)
+        return h
 
     def hidden_with_streams(self, tokens: mx.array, positions: mx.array | int, mask,
                             cache=None, rows: list[int] | None = None
@@ -153,12 +157,8 @@ class DraftNet(nn.Module):
         B, T = tokens.shape
         rows = list(range(T)) if rows is None else rows
         R = len(rows)
-        h = self.embed_tokens(tokens)
-        if "in_proj" in self:
-            h = self.in_proj(h)
-        *lower, top = self.layers
-        for i, layer in enumerate(lower):
-            h = layer(h, positions, mask, cache[i] if cache is not None else None)
+        h = self._through(tokens, positions, mask, cache, len(self.layers) - 1)
+        top = self.layers[-1]
         idx = mx.array(rows)
         streams = (h[:, idx, None, :] + self.stream_embed[None, None]).reshape(B, R * S, -1)
         if isinstance(positions, int):

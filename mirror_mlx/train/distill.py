@@ -78,6 +78,13 @@ def head_vocabulary(shards: list[dict], size: int, vocab: int) -> list[int]:
     return sorted(int(i) for i in np.argsort(-counts)[:size])
 
 
+def head_positions(head: list[int], vocab: int) -> np.ndarray:
+    """Token id -> its index in the draft's head, -1 for tokens the head cannot produce."""
+    index = np.full(vocab, -1, np.int64)
+    index[np.array(head, np.int64)] = np.arange(len(head))
+    return index
+
+
 def init_draft(target: LoadedModel, layers: int, head_tokens: list[int],
                streams: int = 0) -> DraftNet:
     """The target's first `layers` layers, final norm and (restricted) tied head, as copies."""
@@ -187,8 +194,7 @@ def train_draft(target: LoadedModel, shards: list[dict], out: Path, cfg: TrainCo
     if len(items) < cfg.batch:
         raise InvalidParameter(f"only {len(items)} training examples; generate more data")
     head = head_vocabulary(shards, cfg.head_tokens, target.vocab_size)
-    head_index = np.full(target.vocab_size, -1, np.int64)
-    head_index[head] = np.arange(len(head))
+    head_index = head_positions(head, target.vocab_size)
     net = init_draft(target, cfg.layers, head, cfg.streams)
 
     steps_per_epoch = len(items) // cfg.batch

@@ -6,10 +6,9 @@ from mirror_mlx.draft.load import SHIPPED_DRAFT, SHIPPED_EXIT_HEAD, load_draft, 
 from mirror_mlx.errors import InvalidParameter
 from mirror_mlx.models import split
 from mirror_mlx.train.data import generate_data, load_data
-from mirror_mlx.train.distill import agreement, examples
+from mirror_mlx.train.distill import agreement, examples, head_positions
 from mirror_mlx.train.exit_head import collect, coverage
 
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.skipif(not (SHIPPED_DRAFT / "config.json").exists(),
@@ -42,8 +41,7 @@ def test_default_draft_is_the_shipped_one(target):
 
 def test_shipped_draft_agrees_with_the_target(target, fresh):
     net = load_draft(None, target)
-    head_index = np.full(target.vocab_size, -1, np.int64)
-    head_index[np.array(net.config.head_tokens)] = np.arange(len(net.config.head_tokens))
+    head_index = head_positions(net.config.head_tokens, target.vocab_size)
     result = agreement(net, fresh, head_index, 256)
     assert result["positions"] > 300
     assert result["top1_agreement"] > 0.35, result
