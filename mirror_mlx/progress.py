@@ -18,10 +18,12 @@ def _human(n: float, unit: str) -> str:
 
 class Progress:
     """`advance(n)` as work is done; `close()` when finished. Redraws at most 10 times a second,
-    with rate and ETA; a plain line per 10% when stderr is not a terminal."""
+    with rate and ETA. When stderr is not a terminal (a log), a plain line per 10% of the work,
+    and at least one a minute so that a slow tenth does not look like a hang."""
 
     def __init__(
-        self, label: str, total: float, unit: str = "", quiet: bool = False, done: float = 0.0
+        self, label: str, total: float, unit: str = "", quiet: bool = False, done: float = 0.0,
+        log_every_s: float = 60.0,
     ):
         """`done` is work already finished before this run (a resumed job): it counts toward the
         bar but not toward the rate."""
@@ -30,6 +32,7 @@ class Progress:
         self.start = self._last = time.perf_counter()
         self.tty = sys.stderr.isatty()
         self._last_decile = -1
+        self.log_every_s = log_every_s
         self.extra = ""
 
     def advance(self, n: float = 1, extra: str = "") -> None:
@@ -45,8 +48,8 @@ class Progress:
                 sys.stderr.flush()
         else:
             decile = int(10 * self.done / self.total) if self.total else 10
-            if decile > self._last_decile:
-                self._last_decile = decile
+            if decile > self._last_decile or now - self._last >= self.log_every_s:
+                self._last_decile, self._last = decile, now
                 print(self.line(), file=sys.stderr, flush=True)
 
     def line(self) -> str:
