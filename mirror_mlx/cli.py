@@ -145,6 +145,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--streams", type=int, default=0,
                    help="speculative streaming: extra tokens the draft predicts per forward")
     p.add_argument("--sample-batch", type=int, default=48, help="sequences sampled at once")
+    p.add_argument("--init", default=None,
+                   help="train this draft further (a distill draft folder, or 'default' for the "
+                        "shipped one) instead of starting from the target's layers; its "
+                        "layers, head and streams are kept (use a new --seed for fresh data)")
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("distill-exit", help="train the early-exit head (tuned lens) and report "
@@ -283,7 +287,7 @@ def cmd_distill(args) -> None:
 
     cfg = TrainConfig(layers=args.layers, head_tokens=args.head_tokens, seq_len=args.seq_len,
                       batch=args.batch, epochs=args.epochs, lr=args.lr, seed=args.seed,
-                      streams=args.streams)
+                      streams=args.streams, init=args.init)
     target = load(args.target, dtype="float32")
     report = run_distill(target, Path(args.out), cfg, args.conversations, args.max_new,
                          args.sample_batch, Path(args.prompts) if args.prompts else None)

@@ -38,7 +38,7 @@ def load_draft(spec: str | None, target: LoadedModel) -> DraftNet:
     spec = spec or "default"
     if spec == "default":
         if target.name == "default" and DraftNet.is_draft_folder(SHIPPED_DRAFT):
-            return _load_folder(SHIPPED_DRAFT, target)
+            return load_folder(SHIPPED_DRAFT, target)
         spec = f"self:{DEFAULT_SELF_LAYERS}"
     if spec.startswith("self:"):
         try:
@@ -49,7 +49,7 @@ def load_draft(spec: str | None, target: LoadedModel) -> DraftNet:
             raise ModelLoadError(f"draft '{spec}': N must be in 1..{target.num_layers}")
         return DraftNet.from_llama(target.model, n, target_info(target))
     if Path(spec).is_dir() and DraftNet.is_draft_folder(Path(spec)):
-        return _load_folder(Path(spec), target)
+        return load_folder(Path(spec), target)
     model = load(spec)
     check_same_vocabulary(model, target)
     if getattr(model.model, "model_type", None) not in ("llama", "mistral", "qwen2", "qwen3"):
@@ -57,9 +57,10 @@ def load_draft(spec: str | None, target: LoadedModel) -> DraftNet:
     return DraftNet.from_llama(model.model, target_info=target_info(target))
 
 
-def _load_folder(folder: Path, target: LoadedModel) -> DraftNet:
+def load_folder(folder: Path, target: LoadedModel, dtype: str = "auto") -> DraftNet:
+    """A draft written by `mirror-mlx distill`, checked against the target's vocabulary."""
     net = DraftNet.load(folder, embedding=target.model.model.embed_tokens,
-                        dtype=resolve_dtype("auto"))
+                        dtype=resolve_dtype(dtype))
     made_for = net.config.target.get("vocab")
     if made_for and made_for != vocab_fingerprint(target.tokenizer):
         raise IncompatibleDraft(

@@ -21,7 +21,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..draft.load import target_info
+from ..draft.load import SHIPPED_DRAFT, load_folder, target_info
 from ..draft.net import DraftConfig, DraftNet
 from ..errors import InvalidParameter
 from ..models.load import LoadedModel
@@ -40,6 +40,10 @@ class TrainConfig:
     seed: int = 0
     holdout: float = 0.02
     streams: int = 0  # speculative streaming: extra tokens predicted per draft forward
+    # A saved draft (folder, or "default" for the shipped one) to train further instead of
+    # starting from the target's layers: distillation then spans runs on fresh data (another
+    # seed), each as long as a session allows. Its layers, head and streams are kept.
+    init: str | None = None
 
 
 @dataclass
@@ -193,9 +197,15 @@ def train_draft(target: LoadedModel, shards: list[dict], out: Path, cfg: TrainCo
     held, items = items[:n_hold], items[n_hold:]
     if len(items) < cfg.batch:
         raise InvalidParameter(f"only {len(items)} training examples; generate more data")
-    head = head_vocabulary(shards, cfg.head_tokens, target.vocab_size)
+    if cfg.init:
+        net = load_folder(SHIPPED_DRAFT if cfg.init == "default" else Path(cfg.init), target,
+                          dtype="float32")  # stored 8-bit weights are widened to train
+        net.embed_tokens.freeze()
+        head = list(net.config.head_tokens)
+    else:
+        head = head_vocabulary(shards, cfg.head_tokens, target.vocab_size)
+        net = init_draft(target, cfg.layers, head, cfg.streams)
     head_index = head_positions(head, target.vocab_size)
-    net = init_draft(target, cfg.layers, head, cfg.streams)
 
     steps_per_epoch = len(items) // cfg.batch
     total = max(1, int(steps_per_epoch * cfg.epochs))

@@ -48,6 +48,18 @@ def test_training_lowers_the_loss_and_resumes(samples, target):
     assert more["first_loss"] < report["first_loss"]
 
 
+def test_training_continues_from_the_shipped_draft(samples, target):
+    out, shards = samples
+    cfg = TrainConfig(seq_len=96, batch=4, epochs=1, warmup=2, holdout=0.1)
+    fresh = train_draft(target, shards, out / "fresh", cfg)
+    more = train_draft(target, shards, out / "more", TrainConfig(**{**cfg.__dict__,
+                                                                    "init": "default"}))
+    # It starts where the shipped draft's training ended, far below a fresh start.
+    assert more["first_loss"] < fresh["first_loss"] - 0.5, (more, fresh)
+    net = DraftNet.load(out / "more" / "draft", embedding=target.model.model.embed_tokens)
+    assert net.config.head_tokens == load_draft("default", target).config.head_tokens
+
+
 def test_speculative_streams_train_and_draft_several_tokens_per_forward(samples, target):
     out, shards = samples
     cfg = TrainConfig(layers=1, head_tokens=1024, seq_len=96, batch=4, epochs=3, lr=2e-3,
