@@ -15,6 +15,7 @@ from jinja2 import TemplateError
 from .decode.mirror import MirrorConfig
 from .decode.sampling import SamplingParams
 from .draft.load import load_exit_head
+from .draft.lookup import LookupDrafter
 from .draft.select import make_drafter
 from .errors import EngineBusy, EngineClosed, InvalidParameter
 from .measure.stats import GenerationStats
@@ -125,7 +126,7 @@ class Engine:
                  draft: str | None = None, dtype: str = "auto", context: int | None = None,
                  gamma: int = 5, kappa: int = 8, exit_layer: int | None = None,
                  exit_head: str | None = None, branch_budget: int = 4,
-                 branch_source: str = "union", quiet: bool = False):
+                 branch_source: str = "union", lookup: bool = True, quiet: bool = False):
         self._turns = _Turns()
         self._closed = False
         self._closing = threading.Lock()
@@ -141,6 +142,8 @@ class Engine:
         settings.check(model.num_layers)
         if mode != "ar":
             self.drafter = make_drafter(draft, model)
+            if lookup:
+                self.drafter = LookupDrafter(self.drafter)
             if self.drafter.context is not None:
                 # The draft's cache also holds the window and the branches rolled out beside it.
                 room = self.drafter.context - (branch_budget + 1) * (2 * gamma + 2)

@@ -31,6 +31,8 @@ def _decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exit-layer", type=int, default=None,
                    help="layer whose output feeds the early exit (default: the exit head's, "
                         "else 5/6 of the depth)")
+    p.add_argument("--no-lookup", dest="lookup", action="store_false",
+                   help="draft with the draft network only, never by copying from the context")
     p.add_argument("--exit-head", default=None,
                    help="trained exit head file, 'none' (raw logit lens) or 'default'")
     p.add_argument("--branch-budget", type=int, default=4,
@@ -104,6 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--gamma", type=int, default=5, help="drafted tokens per step")
+    p.add_argument("--no-lookup", dest="lookup", action="store_false",
+                   help="sd and mirror draft with the draft network only (as mlx-lm-sd does)")
     p.add_argument("--energy", default="auto",
                    help="auto, ioreport, powermetrics, rapl or none")
     p.add_argument("--energy-seconds", type=float, default=20.0,
@@ -181,7 +185,7 @@ def _engine(args, quiet: bool = False):
                   context=args.context, gamma=args.gamma, kappa=args.kappa,
                   exit_layer=args.exit_layer, exit_head=args.exit_head,
                   branch_budget=args.branch_budget, branch_source=args.branch_source,
-                  quiet=quiet)
+                  lookup=args.lookup, quiet=quiet)
 
 
 def cmd_generate(args) -> None:
@@ -252,13 +256,16 @@ def cmd_bench(args) -> None:
     config = BenchConfig(modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
                          max_tokens=args.max_tokens, temperature=args.temp,
                          repeats=args.repeats, gamma=args.gamma, seed=args.seed,
-                         draft=args.draft, energy_seconds=args.energy_seconds)
+                         draft=args.draft, lookup=args.lookup,
+                         energy_seconds=args.energy_seconds)
     out = Path(args.out)
     bench_command(args.target, args.prompts, config, out, energy=args.energy,
                   per_category=args.per_category, dtype=args.dtype,
                   command="mirror-mlx bench " + " ".join(
                       f"--{k.replace('_', '-')} {shlex.quote(str(v))}"
-                      for k, v in vars(args).items() if k != "command" and v is not None))
+                      for k, v in vars(args).items()
+                      if k not in ("command", "lookup") and v is not None)
+                  + ("" if args.lookup else " --no-lookup"))
     print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and plots")
 
 

@@ -46,6 +46,7 @@ class BenchConfig:
     gamma: int = 5
     seed: int = 0
     draft: str | None = None  # draft spec (draft/load.py); None: the default draft
+    lookup: bool = True  # sd and mirror also draft by copying from the context (draft/lookup.py)
     energy_seconds: float = 20.0
     warmup_tokens: int = 8
 
@@ -154,7 +155,8 @@ def _open_modes(target: LoadedModel, config: BenchConfig) -> tuple[Engine, dict[
                 modes[name] = _Mode(name, target, config, engine=ar)
             elif name in ("sd", "mirror"):
                 modes[name] = _Mode(name, target, config, engine=Engine(
-                    target, mode=name, draft=config.draft, gamma=config.gamma))
+                    target, mode=name, draft=config.draft, gamma=config.gamma,
+                    lookup=config.lookup))
             elif name == "mlx-lm":
                 modes[name] = _Mode(name, target, config)
             else:
@@ -173,7 +175,8 @@ def _describe_draft(target: LoadedModel, config: BenchConfig) -> dict:
         return {}
     c = load_draft(config.draft, target).config
     return {"spec": config.draft or "default", "layers": c.num_layers,
-            "hidden_size": c.hidden_size, "head_size": c.head_size, "gamma": config.gamma}
+            "hidden_size": c.hidden_size, "head_size": c.head_size, "gamma": config.gamma,
+            "lookup": config.lookup}
 
 
 def _timed(mode: _Mode, ids: list[int], max_tokens: int, seed: int,

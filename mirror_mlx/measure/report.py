@@ -191,7 +191,9 @@ def markdown(doc: dict, plots: dict[str, str]) -> str:
         f"({m['mlx_backend']}), BLAS {m['blas']}",
         f"- Target: {t['spec']} ({t['dtype']}, {t['layers']} layers)",
         f"- Draft: {d['spec']} ({d['layers']} layers, hidden {d['hidden_size']}, head "
-        f"{d['head_size']} tokens), gamma {d['gamma']}" if d else "- Draft: none",
+        f"{d['head_size']} tokens), gamma {d['gamma']}"
+        + ("; sd and mirror also copy drafts from the context (prompt lookup)"
+           if d.get("lookup") else "") if d else "- Draft: none",
         f"- Prompts: {doc['prompts']['source']} ({doc['prompts']['questions']} questions, "
         f"{len(doc['prompts']['categories'])} categories); {c['max_tokens']} new tokens, "
         f"temperature {c['temperature']}, {c['repeats']} repeat(s), modes interleaved",

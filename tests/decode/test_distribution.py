@@ -3,7 +3,9 @@ target's exact distribution (the same temperature / top-p / top-k applied to tar
 and a deliberately wrong acceptance rule is caught by the same test.
 
 Small real models make the exact distribution enumerable: a 4-layer llama target and a
-different 2-layer draft over an 8-token vocabulary; three generated tokens, 512 outcomes."""
+different 2-layer draft over an 8-token vocabulary; three generated tokens, 512 outcomes.
+Drafts copied from the context (prompt lookup: a point-mass q) are tested the same way; in
+an 8-token vocabulary a 1-token match is found at most steps."""
 
 import itertools
 import math
@@ -11,6 +13,7 @@ import math
 from mirror_mlx.decode.mirror import MirrorConfig, mirror
 from mirror_mlx.decode.sampling import Sampler, SamplingParams, distribution
 from mirror_mlx.decode.speculative import speculative
+from mirror_mlx.draft.lookup import LookupDrafter
 from mirror_mlx.draft.mlx_draft import MLXDrafter
 from mirror_mlx.draft.net import DraftNet
 from mirror_mlx.measure.stats import GenerationStats
@@ -103,13 +106,18 @@ def mirror_sd(target, cache, drafter, committed, sampler, stats, **kw):
     return mirror(target, cache, drafter, committed, sampler, stats, config, 64, **kw)
 
 
+@pytest.mark.parametrize("lookup", [False, True], ids=["network", "lookup"])
 @pytest.mark.parametrize("decode", [sd, mirror_sd], ids=["sd", "mirror"])
-def test_sampled_sequences_follow_the_target_distribution(models, decode):
+def test_sampled_sequences_follow_the_target_distribution(models, decode, lookup):
     target, drafter = models
+    if lookup:
+        drafter = LookupDrafter(drafter, match=(2, 1))
     probs = exact(target, PARAMS)
     assert probs.max() < 0.5 and (probs > 1e-3).sum() > 30, "a degenerate test distribution"
     rejected, stat, critical = chi_square_rejects(draw(decode, target, drafter, PARAMS), probs)
     assert not rejected, f"chi2 {stat:.1f} > {critical:.1f}"
+    if lookup:
+        assert drafter.copies > SAMPLES // 2  # many steps drafted by copying
 
 
 def wrong_accept(p, q, drafts, uniform, draw_token):

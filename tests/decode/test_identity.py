@@ -1,5 +1,6 @@
 """Lossless, greedy: speculative and Mirror-SD output equals target-only greedy output,
-token for token, on real prompts with the real default target and the default draft."""
+token for token, on real prompts with the real default target and the default draft, drafting
+by prompt lookup where the context allows (the default) and with the draft network only."""
 
 from mirror_mlx.api import Engine
 
@@ -18,6 +19,8 @@ CONFIGS = [
     dict(mode="mirror", gamma=6, kappa=8, branch_budget=0),
     dict(mode="mirror", gamma=4, kappa=8, branch_budget=3, branch_source="draft",
          exit_layer=20),
+    dict(mode="sd", gamma=5, lookup=False),
+    dict(mode="mirror", gamma=5, kappa=8, branch_budget=4, lookup=False),
 ]
 
 
@@ -36,3 +39,5 @@ def test_speculative_greedy_equals_autoregressive(target, reference, config):
             result = engine.generate(prompt, max_tokens=MAX_TOKENS)
             assert result.token_ids == reference[prompt], (config, prompt)
             assert result.stats.target_steps <= len(result.token_ids) + 1  # + the EOS step
+        copies = getattr(engine.drafter, "copies", None)
+        assert copies is None if config.get("lookup") is False else copies > 0
