@@ -1,6 +1,7 @@
 """The draft and exit-head quality bars, measured on a prompt set (Spec-Bench format JSONL):
 
-- vanilla SD at gamma = 5: tokens per target step;
+- vanilla SD at gamma = 5: tokens per target step, with prompt lookup (the default) and with
+  the draft network alone (sd-network);
 - early-exit top-kappa coverage at the exit layer, scored during Mirror-SD decoding;
 - Mirror-SD fallback rate;
 - draft cost per token relative to the target's (one-token forwards, medians);
@@ -40,7 +41,8 @@ def first_turns(path: Path, per_category: int) -> list[tuple[str, str]]:
 
 
 def draft_cost_ratio(target, engine: Engine, repeats: int = 20) -> dict:
-    """Median one-token forward of the draft (through its own job path) and of the target."""
+    """Median one-token forward of the draft network (through its own job path; `engine`
+    drafts without lookup, which would copy this repetitive text for free) and of the target."""
     ids = target.tokenizer.encode("The history of the river begins in the mountains. " * 8)
     cache = make_prompt_cache(target.model)
     mx.eval(target.model(mx.array([ids[:-1]]), cache=cache))
@@ -74,6 +76,8 @@ def main() -> None:
     target = load(None)
     engines = {"ar": Engine(target),
                "sd": Engine(target, mode="sd", draft=args.draft, gamma=args.gamma),
+               "sd-network": Engine(target, mode="sd", draft=args.draft, gamma=args.gamma,
+                                    lookup=False),
                "mirror": Engine(target, mode="mirror", draft=args.draft, gamma=args.gamma)}
     prompts = first_turns(args.prompts, args.per_category)
     rows = []
@@ -99,10 +103,10 @@ def main() -> None:
                 total(mode, "fallback_steps") + total(mode, "reuse_steps"), 1),
             "exit_coverage": total(mode, "exit_covered") / max(total(mode, "exit_positions"), 1),
         }
-    for mode in ("sd", "mirror"):
+    for mode in ("sd", "sd-network", "mirror"):
         summary[mode]["speedup_vs_ar"] = (summary[mode]["tokens_per_second"]
                                           / summary["ar"]["tokens_per_second"])
-    summary["draft_cost"] = draft_cost_ratio(target, engines["sd"])
+    summary["draft_cost"] = draft_cost_ratio(target, engines["sd-network"])
     result = {"machine": machine_info().__dict__, "prompts": len(prompts),
               "max_tokens": args.max_tokens, "summary": summary, "rows": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -203,7 +203,7 @@ def _timed(mode: _Mode, ids: list[int], max_tokens: int, seed: int,
     return tokens, first, ttft, end - start, stats
 
 
-def _conversation(prompt: BenchPrompt, replies: list[str], turn: int) -> str | list[dict]:
+def conversation(prompt: BenchPrompt, replies: list[str], turn: int) -> str | list[dict]:
     if turn == 0:
         return prompt.turns[0]  # text: a model without a chat template takes it as it is
     messages = []
@@ -247,7 +247,7 @@ def _timing_phase(target, prompts, config, encoder, modes, quiet):
             for name in names[k:] + names[:k]:
                 replies: list[str] = []
                 for turn in range(len(prompt.turns)):
-                    ids = encoder.encode(_conversation(prompt, replies, turn))
+                    ids = encoder.encode(conversation(prompt, replies, turn))
                     spans = [] if name == TIMELINE_MODE and not recorded else None
                     seed = config.seed + 1000 * r + turn
                     tokens, first, ttft, latency, stats = _timed(

@@ -1,0 +1,95 @@
+"""Greedy speculative tokens per target step for a draft, computed exactly from a bench run's
+AR outputs, in about a minute instead of a timed run.
+
+With greedy verification a chained draft's i-th token is accepted iff it equals the target's,
+and while its tokens are accepted the draft sees exactly the target's text. So one forward of
+the draft over each prompt + AR reply (teacher forcing) gives every step's accepted length:
+a step at position t accepts the run of positions t, t+1, ... (at most gamma) where the
+draft's argmax equals the reply's token. Prompt lookup is simulated with the engine's own
+`lookup`. Exact for drafts without speculative streams.
+
+    python benchmarks/acceptance.py --bench bench-out/spec-bench/bench.json \
+        --prompts PATH/question.jsonl [--draft SPEC] [--gamma 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import mirror_mlx  # noqa: F401  (before mlx: OpenBLAS)
+from mirror_mlx.api import Engine
+from mirror_mlx.draft.load import load_draft
+from mirror_mlx.draft.lookup import lookup
+from mirror_mlx.measure.bench import conversation
+from mirror_mlx.measure.prompts import load_prompts
+from mirror_mlx.models.load import load
+
+import mlx.core as mx
+import numpy as np
+
+
+def steps(prompt: list[int], reply: list[int], right: np.ndarray, gamma: int,
+          use_lookup: bool) -> int:
+    """Target steps to commit `reply`; right[t]: the draft's guess for reply[t] is right."""
+    context, t, n = list(prompt), 0, 0
+    while t < len(reply):
+        copy = lookup(context, gamma) if use_lookup else None
+        accepted = 0
+        if copy is not None:
+            while accepted < len(copy) and t + accepted < len(reply) \
+                    and copy[accepted] == reply[t + accepted]:
+                accepted += 1
+        else:
+            while accepted < gamma and t + accepted < len(reply) and right[t + accepted]:
+                accepted += 1
+        step = min(accepted + 1, len(reply) - t)
+        context += reply[t : t + step]
+        t, n = t + step, n + 1
+    return n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bench", required=True, type=Path, help="a bench.json with an ar mode")
+    ap.add_argument("--prompts", required=True, help="the prompt file that bench ran")
+    ap.add_argument("--draft", default=None)
+    ap.add_argument("--gamma", type=int, default=5)
+    args = ap.parse_args()
+
+    doc = json.loads(args.bench.read_text())
+    replies = {(r["question_id"], r["turn"]): r["token_ids"]
+               for r in doc["runs"] if r["mode"] == "ar"}
+    if not replies:
+        raise SystemExit(f"{args.bench}: no ar runs")
+    target = load(doc["target"]["spec"] if doc["target"]["spec"] != "default" else None)
+    net = load_draft(args.draft, target)
+    encoder = Engine(target)
+    totals = defaultdict(lambda: np.zeros(3))  # tokens, steps (network), steps (lookup)
+    for p in load_prompts(args.prompts):
+        texts = []
+        for turn in range(len(p.turns)):
+            reply = replies.get((str(p.question_id), turn))
+            if reply is None:
+                break
+            prompt = encoder.encode(conversation(p, texts, turn))
+            texts.append(target.tokenizer.decode(reply, skip_special_tokens=True))
+            logits = net(mx.array([prompt + reply[:-1]]))[0, len(prompt) - 1 :]
+            guess = np.array(net.head_ids[mx.argmax(logits, axis=-1)])
+            right = guess == np.array(reply)
+            row = [len(reply), steps(prompt, reply, right, args.gamma, False),
+                   steps(prompt, reply, right, args.gamma, True)]
+            totals[p.category] += row
+            totals["all"] += row
+    print(f"{'category':16} {'network':>8} {'+lookup':>8}   tokens per target step, gamma "
+          f"{args.gamma}")
+    for cat, (tokens, net_steps, look_steps) in sorted(totals.items(), key=lambda kv:
+                                                       (kv[0] == "all", kv[0])):
+        print(f"{cat:16} {tokens / net_steps:8.2f} {tokens / look_steps:8.2f}")
+    encoder.close()
+
+
+if __name__ == "__main__":
+    main()
