@@ -162,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit layer, or 'auto': train at several and keep the shallowest "
                         "that reaches --coverage")
     p.add_argument("--kappa", type=int, default=8)
+    p.add_argument("--coverage", type=float, default=0.8,
+                   help="the top-kappa coverage --layer auto aims for (held-out samples)")
+    p.add_argument("--positions", type=int, default=40_000,
+                   help="response positions to train and test on (10%% held out)")
     p.add_argument("--data", required=True,
                    help="a distill work folder (its data/ is reused) or a folder to sample into")
     p.add_argument("--conversations", type=int, default=1500,
@@ -311,10 +315,12 @@ def cmd_distill_exit(args) -> None:
 
     if args.layer != "auto" and not args.layer.isdigit():
         raise InvalidParameter(f"--layer must be a number or 'auto' (got '{args.layer}')")
+    if not 0 < args.coverage <= 1 or args.positions < 100:
+        raise InvalidParameter("--coverage must be in (0, 1] and --positions at least 100")
     target = load(args.target, dtype="float32")
     table = run_distill_exit(target, Path(args.data), Path(args.out),
                              None if args.layer == "auto" else int(args.layer), args.kappa,
-                             args.conversations, args.seed)
+                             args.conversations, args.seed, args.coverage, args.positions)
     print(format_table(table, args.kappa))
     print(f"exit head written to {args.out}", file=sys.stderr)
 

@@ -141,7 +141,8 @@ def choose_exit(target: LoadedModel, items: list[Example], layer: int | None,
 
 
 def run_distill_exit(target: LoadedModel, data: Path, out: Path, layer: int | None,
-                     kappa: int, conversations: int, seed: int = 0) -> list[dict]:
+                     kappa: int, conversations: int, seed: int = 0, goal: float = 0.8,
+                     positions: int = 40_000) -> list[dict]:
     """Train an exit head from distillation data (sampled into `data` if it has none) and save
     it to `out`; returns the coverage table."""
     from .data import generate_data, load_data
@@ -152,7 +153,7 @@ def run_distill_exit(target: LoadedModel, data: Path, out: Path, layer: int | No
         folder = generate_data(target, data, conversations, seed)
     items = examples(load_data(folder), 384)
     np.random.default_rng(seed).shuffle(items)
-    head, table = choose_exit(target, items, layer, kappa, seed=seed)
+    head, table = choose_exit(target, items, layer, kappa, goal, positions, seed)
     out.parent.mkdir(parents=True, exist_ok=True)
     head.save(out)
     return table

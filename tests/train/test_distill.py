@@ -1,10 +1,12 @@
 """Distillation end to end on a tiny configuration with the real default target."""
 
 from mirror_mlx.api import Engine
+from mirror_mlx.cli import main
 from mirror_mlx.draft.base import Job
 from mirror_mlx.draft.load import load_draft
 from mirror_mlx.draft.mlx_draft import MLXDrafter
 from mirror_mlx.draft.net import DraftNet
+from mirror_mlx.models import split
 from mirror_mlx.train.data import generate_data, load_data
 from mirror_mlx.train.distill import TrainConfig, train_draft
 
@@ -79,3 +81,23 @@ def test_speculative_streams_train_and_draft_several_tokens_per_forward(samples,
     with Engine(target, mode="sd", draft=str(folder), gamma=5) as engine:
         got = engine.generate("Name two oceans.", max_tokens=16).token_ids
     assert got == Engine(target).generate("Name two oceans.", max_tokens=16).token_ids
+
+
+def test_distill_exit_keeps_the_shallowest_layer_that_reaches_the_goal(samples, target, capsys):
+    out, _ = samples
+    head_file = out / "exit.safetensors"
+    # Every trained candidate reaches a goal of 1%: the shallowest (half the depth) is kept.
+    assert main(["distill-exit", "--data", str(out), "--out", str(head_file),
+                 "--coverage", "0.01", "--positions", "400"]) == 0
+    table = capsys.readouterr().out
+    assert "trained top-1/4/8" in table
+    head = split.ExitHead.load(head_file, target.model.args.hidden_size, target.num_layers)
+    assert head.layer == target.num_layers // 2
+    # A named layer is trained whatever the goal; a goal outside (0, 1] is refused.
+    assert main(["distill-exit", "--data", str(out), "--out", str(head_file), "--layer", "20",
+                 "--coverage", "1", "--positions", "400"]) == 0
+    assert split.ExitHead.load(head_file, target.model.args.hidden_size,
+                               target.num_layers).layer == 20
+    assert main(["distill-exit", "--data", str(out), "--out", str(head_file),
+                 "--coverage", "80"]) == 1
+    assert "--coverage must be in (0, 1]" in capsys.readouterr().err
