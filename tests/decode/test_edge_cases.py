@@ -58,7 +58,8 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path, default_gguf, target
 
 
 def test_exception_in_draft_worker_reaches_the_caller(target):
-    with Engine(target, mode="mirror", draft="self:2") as engine:
+    # Without lookup, so that every step asks the draft network (whose 5th forward fails).
+    with Engine(target, mode="mirror", draft="self:2", lookup=False) as engine:
         executor = engine.drafter._executor
         real_forward = executor.forward
         calls = {"n": 0}

@@ -90,3 +90,23 @@ def test_a_job_with_any_unmatched_sequence_goes_to_the_network(target, drafter):
     assert [r.tokens for r in result.rollouts] == [greedy(target, text, 3),
                                                   greedy(target, plain, 3)]
     assert np.array_equal(result.rollouts[1].top_ids[:, 0], greedy(target, plain, 3))
+
+
+def test_a_failure_in_the_catch_up_reaches_the_caller(target, drafter):
+    text = target.tokenizer.encode("up and down, up and down, up and")
+    assert drafter.submit(Job([text], 3)).result().extra["lookup"]
+    executor = drafter.inner._executor
+    real = executor.forward
+
+    def lost(*args):
+        raise RuntimeError("draft device lost")
+
+    executor.forward = lost
+    try:
+        with pytest.raises(RuntimeError, match="device lost"):
+            drafter.submit(Job([text + [100]], 3, compact=False)).result()
+    finally:
+        executor.forward = real
+    # The network forgot its cache and starts over, exactly.
+    assert drafter.submit(Job([text + [100]], 3, compact=False)).result().rollouts[0].tokens \
+        == greedy(target, text + [100], 3)
