@@ -1,5 +1,5 @@
-"""Greedy speculative tokens per target step for a draft, computed exactly from a bench run's
-AR outputs, in about a minute instead of a timed run.
+"""Greedy speculative tokens per target step for a draft, and the exit head's top-kappa
+coverage, computed exactly from a bench run's AR outputs in minutes instead of a timed run.
 
 With greedy verification a chained draft's i-th token is accepted iff it equals the target's,
 and while its tokens are accepted the draft sees exactly the target's text. So one forward of
@@ -8,8 +8,13 @@ a step at position t accepts the run of positions t, t+1, ... (at most gamma) wh
 draft's argmax equals the reply's token. Prompt lookup is simulated with the engine's own
 `lookup`. Exact for drafts without speculative streams.
 
+Exit coverage: Mirror-SD scores the early exit at the positions that saw committed context,
+which over a generation are all of its positions; so one target forward over prompt + reply,
+read out at the exit layer, gives the same share (up to float differences between one long
+forward and step-by-step decoding).
+
     python benchmarks/acceptance.py --bench bench-out/spec-bench/bench.json \
-        --prompts PATH/question.jsonl [--draft SPEC] [--gamma 5]
+        --prompts PATH/question.jsonl [--draft SPEC] [--exit-head FILE|default] [--gamma 5]
 """
 
 from __future__ import annotations
@@ -21,10 +26,11 @@ from pathlib import Path
 
 import mirror_mlx  # noqa: F401  (before mlx: OpenBLAS)
 from mirror_mlx.api import Engine
-from mirror_mlx.draft.load import load_draft
+from mirror_mlx.draft.load import load_draft, load_exit_head
 from mirror_mlx.draft.lookup import lookup
 from mirror_mlx.measure.bench import conversation
 from mirror_mlx.measure.prompts import load_prompts
+from mirror_mlx.models import split
 from mirror_mlx.models.load import load
 
 import mlx.core as mx
@@ -51,11 +57,23 @@ def steps(prompt: list[int], reply: list[int], right: np.ndarray, gamma: int,
     return n
 
 
+def exit_hits(target, head, ids: list[int], reply: list[int], kappa: int) -> int:
+    """Reply positions whose token is in the exit's top-kappa (`ids`: prompt + reply)."""
+    model = target.model
+    p = split.start(model, mx.array([ids[:-1]]), [None] * target.num_layers)
+    split.run_layers(model, p, 0, head.layer)
+    at = len(ids) - len(reply) - 1
+    best, _ = split.top_k(split.exit_logits(model, p.h[0, at:], head), kappa)
+    return int((np.array(best) == np.array(reply)[:, None]).any(axis=1).sum())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bench", required=True, type=Path, help="a bench.json with an ar mode")
     ap.add_argument("--prompts", required=True, help="the prompt file that bench ran")
     ap.add_argument("--draft", default=None)
+    ap.add_argument("--exit-head", default="default")
+    ap.add_argument("--kappa", type=int, default=8)
     ap.add_argument("--gamma", type=int, default=5)
     args = ap.parse_args()
 
@@ -66,8 +84,12 @@ def main() -> None:
         raise SystemExit(f"{args.bench}: no ar runs")
     target = load(doc["target"]["spec"] if doc["target"]["spec"] != "default" else None)
     net = load_draft(args.draft, target)
+    head = load_exit_head(args.exit_head, target)
+    if head is None:
+        raise SystemExit("no exit head: name a file with --exit-head")
     encoder = Engine(target)
-    totals = defaultdict(lambda: np.zeros(3))  # tokens, steps (network), steps (lookup)
+    # tokens, steps (network), steps (lookup), exit hits
+    totals = defaultdict(lambda: np.zeros(4))
     for p in load_prompts(args.prompts):
         texts = []
         for turn in range(len(p.turns)):
@@ -80,14 +102,17 @@ def main() -> None:
             guess = np.array(net.head_ids[mx.argmax(logits, axis=-1)])
             right = guess == np.array(reply)
             row = [len(reply), steps(prompt, reply, right, args.gamma, False),
-                   steps(prompt, reply, right, args.gamma, True)]
+                   steps(prompt, reply, right, args.gamma, True),
+                   exit_hits(target, head, prompt + reply, reply, args.kappa)]
             totals[p.category] += row
             totals["all"] += row
-    print(f"{'category':16} {'network':>8} {'+lookup':>8}   tokens per target step, gamma "
-          f"{args.gamma}")
-    for cat, (tokens, net_steps, look_steps) in sorted(totals.items(), key=lambda kv:
-                                                       (kv[0] == "all", kv[0])):
-        print(f"{cat:16} {tokens / net_steps:8.2f} {tokens / look_steps:8.2f}")
+    print(f"tokens per target step at gamma {args.gamma} (network alone, with lookup); "
+          f"exit top-{args.kappa} coverage at layer {head.layer}")
+    print(f"{'category':16} {'network':>8} {'+lookup':>8} {'exit':>6}")
+    for cat, (tokens, net_steps, look_steps, hits) in sorted(
+            totals.items(), key=lambda kv: (kv[0] == "all", kv[0])):
+        print(f"{cat:16} {tokens / net_steps:8.2f} {tokens / look_steps:8.2f} "
+              f"{hits / tokens:6.1%}")
     encoder.close()
 
 
