@@ -156,8 +156,10 @@ def generate_data(target: LoadedModel, out: Path, conversations: int, seed: int 
     specs = specs[:conversations]
     shards = [specs[i : i + SHARD] for i in range(0, len(specs), SHARD)]
     todo = [i for i in range(len(shards)) if not (folder / f"shard-{i:05d}.npz").exists()]
-    # Responses average ~150 tokens; the estimate only drives the ETA.
-    progress = Progress("sampling", sum(len(shards[i]) for i in todo) * 170, unit="tok")
+    # A prompt is sampled once, plus once for its passage and once for its follow-up turn;
+    # responses average ~140 tokens. The estimate only drives the ETA.
+    records = sum(1 + bool(s.passage_request) + bool(s.follow_up) for i in todo for s in shards[i])
+    progress = Progress("sampling", records * 140, unit="tok")
     for i in todo:
         data = make_shard(target, shards[i], seed * 100_003 + i, max_new, batch, progress)
         tmp = folder / f".shard-{i:05d}.npz"
