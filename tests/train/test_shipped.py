@@ -44,7 +44,7 @@ def test_shipped_draft_agrees_with_the_target(target, fresh):
     head_index = head_positions(net.config.head_tokens, target.vocab_size)
     result = agreement(net, fresh, head_index, 256)
     assert result["positions"] > 300
-    assert result["top1_agreement"] > 0.35, result
+    assert result["top1_agreement"] > 0.44, result  # 0.49 here; the first shipped draft had 0.40
 
 
 def test_exit_head_beats_the_raw_logit_lens(target, fresh):
