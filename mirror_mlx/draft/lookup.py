@@ -5,9 +5,10 @@ Copying is what a small draft is worst at and what chat output does all the time
 prompt (extraction, summaries, translation, code edits) and repeating its own phrases. On the
 default target's Spec-Bench outputs, drafting from the context whenever a 3- or 2-token match
 exists and from the draft network otherwise commits about 1.5 times as many tokens per target
-step as the network alone (benchmarks/acceptance.py measures it). Verification is unchanged, so this stays lossless: a copied
-draft is a draft whose distribution q is a point mass (speculative sampling accepts it with
-the target's probability of that token and otherwise resamples from the target without it).
+step as the network alone (benchmarks/acceptance.py measures it). Verification is unchanged,
+so this stays lossless: a copied draft is a draft whose distribution q is a point mass
+(speculative sampling accepts it with the target's probability of that token and otherwise
+resamples from the target without it).
 """
 
 from __future__ import annotations
