@@ -290,12 +290,7 @@ def test_serve_command(default_gguf):
             assert reply.usage.completion_tokens == 3  # the server's --max-tokens
             client.close()
             proc.send_signal(signal.SIGINT)
-            try:
-                code = proc.wait(timeout=120)  # generous: a loaded 2-core CI host is slow
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                pytest.fail("the server did not stop on Ctrl-C: " + proc.communicate()[1])
-            assert code == 0, proc.stderr.read()
+            assert proc.wait(timeout=30) == 0, proc.stderr.read()
         finally:
             proc.kill()
 
