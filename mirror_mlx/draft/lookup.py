@@ -39,11 +39,10 @@ def lookup(sequence: list[int], n: int, match: tuple[int, ...] = MATCH) -> list[
         for j in range(1, k):
             starts = starts[seq[starts + j] == tail[j]]
         if len(starts):
-            out = list(sequence)
+            # What follows the match, repeated with its period (the distance to the end).
             src = int(starts[-1]) + k
-            for i in range(n):
-                out.append(out[src + i])
-            return out[len(sequence):]
+            period = len(seq) - src
+            return [int(seq[src + i % period]) for i in range(n)]
     return None
 
 
