@@ -57,14 +57,16 @@ def steps(prompt: list[int], reply: list[int], right: np.ndarray, gamma: int,
     return n
 
 
-def exit_hits(target, head, ids: list[int], reply: list[int], kappa: int) -> int:
-    """Reply positions whose token is in the exit's top-kappa (`ids`: prompt + reply)."""
+def exit_hits(target, head, vocabs, ids: list[int], reply: list[int], kappa: int) -> list[int]:
+    """Reply positions whose token is in the exit's top-kappa (`ids`: prompt + reply), read
+    out over each of `vocabs` (None: the whole vocabulary)."""
     model = target.model
     p = split.start(model, mx.array([ids[:-1]]), [None] * target.num_layers)
     split.run_layers(model, p, 0, head.layer)
-    at = len(ids) - len(reply) - 1
-    best, _ = split.top_k(split.exit_logits(model, p.h[0, at:], head), kappa)
-    return int((np.array(best) == np.array(reply)[:, None]).any(axis=1).sum())
+    h = p.h[0, len(ids) - len(reply) - 1 :]
+    truth = np.array(reply)[:, None]
+    return [int((np.array(split.exit_top_k(model, h, head, v, kappa)[0]) == truth)
+                .any(axis=1).sum()) for v in vocabs]
 
 
 def main() -> None:
@@ -88,8 +90,10 @@ def main() -> None:
     if head is None:
         raise SystemExit("no exit head: name a file with --exit-head")
     encoder = Engine(target)
-    # tokens, steps (network), steps (lookup), exit hits
-    totals = defaultdict(lambda: np.zeros(4))
+    # The exit read out over the whole vocabulary and over the draft's head tokens only.
+    vocabs = [None, split.ExitVocab.of(target.model, net.head_ids)]
+    # tokens, steps (network), steps (lookup), exit hits (full), exit hits (reduced)
+    totals = defaultdict(lambda: np.zeros(5))
     for p in load_prompts(args.prompts):
         texts = []
         for turn in range(len(p.turns)):
@@ -103,16 +107,17 @@ def main() -> None:
             right = guess == np.array(reply)
             row = [len(reply), steps(prompt, reply, right, args.gamma, False),
                    steps(prompt, reply, right, args.gamma, True),
-                   exit_hits(target, head, prompt + reply, reply, args.kappa)]
+                   *exit_hits(target, head, vocabs, prompt + reply, reply, args.kappa)]
             totals[p.category] += row
             totals["all"] += row
     print(f"tokens per target step at gamma {args.gamma} (network alone, with lookup); "
-          f"exit top-{args.kappa} coverage at layer {head.layer}")
-    print(f"{'category':16} {'network':>8} {'+lookup':>8} {'exit':>6}")
-    for cat, (tokens, net_steps, look_steps, hits) in sorted(
+          f"exit top-{args.kappa} coverage at layer {head.layer} over the whole vocabulary "
+          f"and over the draft's {len(net.head_ids)} head tokens")
+    print(f"{'category':16} {'network':>8} {'+lookup':>8} {'exit':>6} {'reduced':>8}")
+    for cat, (tokens, net_steps, look_steps, hits, reduced) in sorted(
             totals.items(), key=lambda kv: (kv[0] == "all", kv[0])):
         print(f"{cat:16} {tokens / net_steps:8.2f} {tokens / look_steps:8.2f} "
-              f"{hits / tokens:6.1%}")
+              f"{hits / tokens:6.1%} {reduced / tokens:8.1%}")
     encoder.close()
 
 

@@ -14,11 +14,13 @@ from jinja2 import TemplateError
 
 from .decode.mirror import MirrorConfig
 from .decode.sampling import SamplingParams
+from .decode.schedule import AUTO_BUDGET
 from .draft.load import load_exit_head
 from .draft.lookup import LookupDrafter
 from .draft.select import make_drafter
 from .errors import EngineBusy, EngineClosed, InvalidParameter
 from .measure.stats import GenerationStats
+from .models import split
 from .models.load import LoadedModel, load
 from .session import Chunk, DecodeSettings, Session
 
@@ -125,8 +127,9 @@ class Engine:
     def __init__(self, model: str | LoadedModel | None = None, *, mode: str = "ar",
                  draft: str | None = None, dtype: str = "auto", context: int | None = None,
                  gamma: int = 5, kappa: int = 8, exit_layer: int | None = None,
-                 exit_head: str | None = None, branch_budget: int = 4,
-                 branch_source: str = "union", lookup: bool = True, quiet: bool = False):
+                 exit_head: str | None = None, branch_budget: int | None = None,
+                 branch_source: str = "union", lookup: bool = True,
+                 separate_units: bool = False, quiet: bool = False):
         self._turns = _Turns()
         self._closed = False
         self._closing = threading.Lock()
@@ -138,15 +141,21 @@ class Engine:
         layer = head.layer if head else exit_layer or round(model.num_layers * 5 / 6)
         settings = DecodeSettings(mode, gamma, MirrorConfig(
             gamma=gamma, kappa=kappa, exit_layer=layer, budget=branch_budget,
-            source=branch_source, exit_head=head))
+            source=branch_source, exit_head=head, separate_units=separate_units))
         settings.check(model.num_layers)
         if mode != "ar":
             self.drafter = make_drafter(draft, model)
+            if mode == "mirror":
+                # The exit reads out only the tokens the draft's head knows (split.ExitVocab).
+                ids = self.drafter.head_ids
+                if len(ids) < model.vocab_size:
+                    settings.mirror.exit_vocab = split.ExitVocab.of(model.model, ids)
             if lookup:
                 self.drafter = LookupDrafter(self.drafter)
             if self.drafter.context is not None:
                 # The draft's cache also holds the window and the branches rolled out beside it.
-                room = self.drafter.context - (branch_budget + 1) * (2 * gamma + 2)
+                budget = AUTO_BUDGET if branch_budget is None else branch_budget
+                room = self.drafter.context - (budget + 1) * (2 * gamma + 2)
                 context = min(context or model.context_length, room)
         try:
             self.session = Session(self.target, context, self.drafter, settings)

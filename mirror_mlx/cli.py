@@ -35,10 +35,21 @@ def _decoding_args(p: argparse.ArgumentParser) -> None:
                    help="draft with the draft network only, never by copying from the context")
     p.add_argument("--exit-head", default=None,
                    help="trained exit head file, 'none' (raw logit lens) or 'default'")
-    p.add_argument("--branch-budget", type=int, default=4,
-                   help="branches rolled out beside the target's suffix per step")
+    p.add_argument("--branch-budget", type=_budget, default=None, metavar="auto|N",
+                   help="Mirror-SD: work beside the target per step; auto (default) measures "
+                        "what it costs and chooses (none where the draft shares the target's "
+                        "compute); N pins the early rollout and N branches")
     p.add_argument("--branch-source", default="union", choices=("exit", "draft", "union"),
                    help="where branch tokens come from")
+
+
+def _budget(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected auto or a number, got '{text}'") from None
 
 
 def _generation_args(p: argparse.ArgumentParser) -> None:
@@ -108,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gamma", type=int, default=5, help="drafted tokens per step")
     p.add_argument("--no-lookup", dest="lookup", action="store_false",
                    help="sd and mirror draft with the draft network only (as mlx-lm-sd does)")
+    p.add_argument("--branch-budget", type=_budget, default=None, metavar="auto|N",
+                   help="Mirror-SD's work beside the target (as for generate)")
+    p.add_argument("--separate-units", action="store_true",
+                   help="a core each for target and draft in every mode (one BLAS thread per "
+                        "call, the draft on its own thread): drafting on a unit of its own")
     p.add_argument("--energy", default="auto",
                    help="auto, ioreport, powermetrics, rapl or none")
     p.add_argument("--energy-seconds", type=float, default=20.0,
@@ -261,6 +277,7 @@ def cmd_bench(args) -> None:
                          max_tokens=args.max_tokens, temperature=args.temp,
                          repeats=args.repeats, gamma=args.gamma, seed=args.seed,
                          draft=args.draft, lookup=args.lookup,
+                         branch_budget=args.branch_budget, separate_units=args.separate_units,
                          energy_seconds=args.energy_seconds)
     out = Path(args.out)
     bench_command(args.target, args.prompts, config, out, energy=args.energy,
@@ -268,8 +285,9 @@ def cmd_bench(args) -> None:
                   command="mirror-mlx bench " + " ".join(
                       f"--{k.replace('_', '-')} {shlex.quote(str(v))}"
                       for k, v in vars(args).items()
-                      if k not in ("command", "lookup") and v is not None)
-                  + ("" if args.lookup else " --no-lookup"))
+                      if k not in ("command", "lookup", "separate_units") and v is not None)
+                  + ("" if args.lookup else " --no-lookup")
+                  + (" --separate-units" if args.separate_units else ""))
     print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and plots")
 
 

@@ -14,6 +14,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from .decode.autoregressive import autoregressive
 from .decode.mirror import MirrorConfig, mirror
 from .decode.sampling import Sampler, SamplingParams
+from .decode.schedule import scheduler_for
 from .decode.speculative import speculative
 from .draft.base import Drafter, Job
 from .errors import InvalidParameter, PromptTooLong
@@ -39,7 +40,7 @@ class DecodeSettings:
             raise InvalidParameter(f"gamma must be at least 1 (got {self.gamma})")
         if m.kappa < 1:
             raise InvalidParameter(f"kappa must be at least 1 (got {m.kappa})")
-        if m.budget < 0:
+        if m.budget is not None and m.budget < 0:
             raise InvalidParameter(f"branch budget must be >= 0 (got {m.budget})")
         layer = m.exit_head.layer if m.exit_head else m.exit_layer
         if self.mode == "mirror" and not 0 < layer < num_layers:
@@ -81,6 +82,10 @@ class Session:
             raise InvalidParameter(f"context must be at least 2 tokens (got {self.context})")
         self.cache = make_prompt_cache(target.model)
         self.tokens: list[int] = []  # what the cache holds, position by position
+        # Mirror-SD's plan per step; what it measures holds across the session's generations.
+        self.scheduler = scheduler_for(drafter, self.settings.mirror.budget,
+                                       self.settings.mirror.separate_units) \
+            if self.settings.mode == "mirror" else None
 
     def reset(self) -> None:
         self._trim(0)
@@ -183,7 +188,7 @@ class Session:
                                self.context)
         mirror_config = MirrorConfig(**{**s.mirror.__dict__, "gamma": s.gamma})
         return mirror(model, cache, self.drafter, committed, sampler, stats, mirror_config,
-                      self.context, self.timeline)
+                      self.context, self.scheduler, self.timeline)
 
     def _prefill(self, prompt, stats, cancel, on_prefill) -> int:
         """Fill the cache with all of `prompt` but its last token, reusing what it holds."""

@@ -14,6 +14,10 @@ ends (reuse) and only on a miss does the draft work on the critical path (fallba
 5. If (A, c) was rolled out, its rollout is the next window; otherwise the next window is
    drafted afresh.
 
+How much of this runs is the scheduler's choice, step by step (decode/schedule.py): where the
+draft shares the target's compute, work beside the target is not free, and a step may skip
+1-3 (plain SD's serial step) or 2-3 (no split: the early rollout only).
+
 How the two sides run at once is the drafter's business: a threaded drafter (MLX on a worker
 thread) starts jobs when they are submitted; an inline one (Core ML on the Neural Engine) runs
 them in `run_pending`, after the target's work has been dispatched with `mx.async_eval`.
@@ -35,6 +39,7 @@ from ..measure.stats import GenerationStats
 from ..models import split
 from .branches import rank_branches
 from .sampling import Sampler
+from .schedule import Scheduler, scheduler_for
 from .verify import judge, speculative_accept
 
 
@@ -43,9 +48,11 @@ class MirrorConfig:
     gamma: int = 5
     kappa: int = 8
     exit_layer: int = 25
-    budget: int = 4  # branches rolled out beside the suffix, besides the early one
+    budget: int | None = None  # branches beside the suffix (None: auto, see schedule.py)
     source: str = "union"  # where branch tokens come from: exit | draft | union
     exit_head: split.ExitHead | None = None
+    exit_vocab: split.ExitVocab | None = None  # the exit's reduced output layer
+    separate_units: bool = False  # the draft has compute of its own though on the same device
 
 
 def _tail(r: Rollout, skip: int) -> Rollout:
@@ -59,13 +66,18 @@ def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
 
 def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int],
            sampler: Sampler, stats: GenerationStats, config: MirrorConfig, limit: int,
-           timeline: list | None = None, accept=speculative_accept) -> Iterator[list[int]]:
-    """Yields the tokens each step commits; same contract as `speculative`."""
+           scheduler: Scheduler | None = None, timeline: list | None = None,
+           accept=speculative_accept) -> Iterator[list[int]]:
+    """Yields the tokens each step commits; same contract as `speculative`. `scheduler`
+    chooses each step's plan (a session keeps one across generations)."""
+    if scheduler is None:
+        scheduler = scheduler_for(drafter, config.budget, config.separate_units)
     committed = list(committed)
     q_params = None if sampler.params.greedy else sampler.params
     n_layers = len(model.layers)
     exit_layer = config.exit_head.layer if config.exit_head else config.exit_layer
     window: Rollout | None = None
+    played: tuple[int, float] | None = None  # the last step's plan and when its window was ready
 
     def mark(label: str, start: float, end: float) -> None:
         if timeline is not None:
@@ -78,56 +90,70 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             window = drafter.submit(Job([committed], g, q_params, "fresh")).result().rollouts[0]
             stats.add_time("draft_serial", time.perf_counter() - t)
             mark("draft_fresh", t, time.perf_counter())
+        ready = time.perf_counter()
+        if played is not None:
+            scheduler.record(played[0], ready - played[1])
+        index = scheduler.choose()
+        plan = scheduler.plans[index]
+        played = (index, ready)
+        stats.plan_steps[plan.name] = stats.plan_steps.get(plan.name, 0) + 1
         drafts = window.tokens[:g] if g else []
         q = window.probs[:g] if g and window.probs is not None else None
         stop = threading.Event()
+        window_ids = mx.array([committed[-1:] + drafts])
 
         # 1. The likeliest outcome needs no early-exit signal: start it now.
         early = drafter.submit(Job([committed + drafts], g + 1, q_params, "early", True, stop)) \
-            if g else None
+            if g and plan.early else None
 
-        # 2. Target prefix, then the early exit's top-kappa at every window position.
-        t_prefix = time.perf_counter()
-        p = split.start(model, mx.array([committed[-1:] + drafts]), cache)
-        split.run_layers(model, p, 0, exit_layer)
-        exit_ids, exit_logp = split.top_k(
-            split.exit_logits(model, p.h[0], config.exit_head), config.kappa)
-        mx.async_eval(exit_ids, exit_logp)
-        drafter.run_pending()
-        mx.eval(exit_ids, exit_logp)
-        t_suffix = time.perf_counter()
-        stats.add_time("target_prefix", t_suffix - t_prefix)
-        mark("target_prefix", t_prefix, t_suffix)
-
-        # 3. The other likely outcomes, rolled out beside the target's suffix.
         picks, late = [], None
-        if g and config.budget:
+        t_start = time.perf_counter()
+        split_pass = bool(g and plan.branches)
+        if split_pass:
+            # 2. Target prefix, then the early exit's top-kappa at every window position.
+            p = split.start(model, window_ids, cache)
+            split.run_layers(model, p, 0, exit_layer)
+            exit_ids, exit_logp = split.exit_top_k(model, p.h[0], config.exit_head,
+                                                   config.exit_vocab, config.kappa)
+            mx.async_eval(exit_ids, exit_logp)
+            drafter.run_pending()
+            mx.eval(exit_ids, exit_logp)
+            t_suffix = time.perf_counter()
+            stats.add_time("target_prefix", t_suffix - t_start)
+            mark("target_prefix", t_start, t_suffix)
+
+            # 3. The other likely outcomes, rolled out beside the target's suffix.
             picks = rank_branches(
                 drafts, np.array(exit_ids), np.array(exit_logp), window.top_ids[:g],
-                window.top_probs[:g], config.budget, config.source)
+                window.top_probs[:g], plan.branches, config.source)
             late = drafter.submit(Job([committed + drafts[: b.r] + [b.token] for b in picks],
                                       g, q_params, "branches", False, stop))
 
-        # 4. Target suffix and verification.
-        split.run_layers(model, p, exit_layer, n_layers)
-        logits = split.final_logits(model, p.h[0])
+            # 4. Target suffix and verification.
+            split.run_layers(model, p, exit_layer, n_layers)
+            logits = split.final_logits(model, p.h[0])
+        else:
+            # 4. The whole target forward, unsplit: nothing waits for an exit readout.
+            t_suffix = t_start
+            logits = model(window_ids, cache=cache)[0]
         mx.async_eval(logits)
         drafter.run_pending()
         accepted, token = judge(logits, drafts, q, sampler, accept)
         for c in cache:
             c.trim(g - accepted)
         t_done = time.perf_counter()
-        # Positions 0..A saw committed context: there the early exit's guess can be scored.
-        guessed = np.array(exit_ids[: accepted + 1])
-        truth = np.array(drafts[:accepted] + [token])[:, None]
-        stats.exit_positions += accepted + 1
-        stats.exit_covered += int((guessed == truth).any(axis=1).sum())
-        stats.add_time("target_suffix", t_done - t_suffix)
-        mark("target_suffix", t_suffix, t_done)
+        if split_pass:
+            # Positions 0..A saw committed context: there the early exit's guess can be scored.
+            guessed = np.array(exit_ids[: accepted + 1])
+            truth = np.array(drafts[:accepted] + [token])[:, None]
+            stats.exit_positions += accepted + 1
+            stats.exit_covered += int((guessed == truth).any(axis=1).sum())
+        stats.add_time("target_suffix" if split_pass else "target", t_done - t_suffix)
+        mark("target_suffix" if split_pass else "target", t_suffix, t_done)
 
         # 5. Reuse a rollout of the actual outcome, or fall back to drafting afresh.
         window = None
-        if g:
+        if early is not None:
             hit = next((i for i, b in enumerate(picks) if (b.r, b.token) == (accepted, token)),
                        None)
             if hit is None and accepted < g:
@@ -142,7 +168,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
                 window, outcome = late_done.rollouts[hit], f"branch:{accepted}"
             mark(f"outcome:{outcome}", t_done, t_done)
             stats.add_time("wait", time.perf_counter() - wait)
-            target_span = (t_prefix, t_done)
+            target_span = (t_start, t_done)
             for job in filter(None, (early_done, late_done)):
                 busy = (job.start, job.end)
                 stats.add_time("draft", busy[1] - busy[0])
@@ -153,6 +179,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             else:
                 stats.fallback_steps += 1
         stats.record_step(g, accepted)
+        stats.schedule = scheduler.explain()
         new = drafts[:accepted] + [token]
         committed += new
         yield new

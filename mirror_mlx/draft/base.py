@@ -61,6 +61,8 @@ class JobResult:
 class Drafter(Protocol):
     vocab_size: int  # the input vocabulary; must equal the target's
     context: int | None  # the most tokens the draft's cache holds; None: no fixed limit
+    head_ids: np.ndarray  # the tokens the draft's head scores (its output vocabulary)
+    compute: str  # where it computes: "coreml", or "mlx:" and its MLX device (schedule.py)
 
     def submit(self, job: Job) -> Future[JobResult]:
         """Queue a job. A threaded drafter starts it at once; an inline one (Core ML on the

@@ -150,6 +150,8 @@ class CoreMLDrafter:
     def __init__(self, executor: CoreMLExecutor, top_k: int = 4):
         self.vocab_size = executor.vocab_size
         self.context = executor.spec.context  # the most tokens the draft's cache holds
+        self.head_ids = executor.head_ids  # the tokens its head scores
+        self.compute = "coreml"  # on the units the package names (the Neural Engine), not MLX's
         self.top_k = top_k
         self._executor = executor
         self._state = TreeState()

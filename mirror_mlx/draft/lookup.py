@@ -58,37 +58,46 @@ def copied(tokens: list[int], sampling: SamplingParams | None, vocab_size: int) 
 
 
 class LookupDrafter:
-    """A Drafter that answers a job from the context when every sequence in it has a match,
-    and hands it to `inner` (any drafter: MLX, Core ML) otherwise."""
+    """A Drafter that answers each sequence of a job from the context where it has a match,
+    and hands the others to `inner` (any drafter: MLX, Core ML) as one job. So the rollouts of
+    Mirror-SD (the early one and the branches) copy wherever they can, as SD's windows do."""
 
     def __init__(self, inner: Drafter, match: tuple[int, ...] = MATCH):
         self.inner = inner
         self.match = match
         self.vocab_size = inner.vocab_size
         self.context = inner.context
-        # The main line of the last compacting job answered here: the inner drafter has not
-        # seen it, and must compact to it before any job that only adds branches.
+        self.compute = getattr(inner, "compute", "unknown")
+        # The main line of the last compacting job whose main sequence was copied: the inner
+        # drafter has not seen it, and must compact to it before its next job.
         self._main: list[int] | None = None
-        self.copies = 0  # jobs answered from the context
+        self.copies = 0  # sequences answered from the context
 
     def submit(self, job: Job) -> Future[JobResult]:
-        if job.n:
-            start = time.perf_counter()
-            found = [lookup(s, job.n, self.match) for s in job.sequences]
-            if all(f is not None for f in found):
-                if job.compact:
-                    self._main = list(job.sequences[0])
-                self.copies += 1
-                done: Future[JobResult] = Future()
-                done.set_result(JobResult(
-                    [copied(f, job.sampling, self.vocab_size) for f in found], start,
-                    time.perf_counter(), job.label, extra={"lookup": True}))
-                return done
+        start = time.perf_counter()
+        found = [lookup(s, job.n, self.match) if job.n else None for s in job.sequences]
+        ask = [i for i, f in enumerate(found) if f is None]
+        self.copies += len(found) - len(ask)
+        copies = {i: copied(f, job.sampling, self.vocab_size) for i, f in enumerate(found)
+                  if f is not None}
+        if job.compact:
+            self._main = None
+            if found[0] is not None:
+                self._main = list(job.sequences[0])
+        if not ask:
+            done: Future[JobResult] = Future()
+            done.set_result(JobResult([copies[i] for i in range(len(found))], start,
+                                      time.perf_counter(), job.label, extra={"lookup": True}))
+            return done
+        inner = replace(job, sequences=[job.sequences[i] for i in ask],
+                        compact=job.compact and found[0] is None)
         main, self._main = self._main, None
-        if job.compact or main is None:
-            return self.inner.submit(job)
-        catch_up = self.inner.submit(Job([main], 0, label="catch-up"))
-        return _after(catch_up, self.inner.submit(job))
+        if inner.compact or main is None:
+            future = self.inner.submit(inner)
+        else:
+            future = _after(self.inner.submit(Job([main], 0, label="catch-up")),
+                            self.inner.submit(inner))
+        return _merge(future, copies, ask) if copies else future
 
     def run_pending(self) -> None:
         self.inner.run_pending()
@@ -98,6 +107,25 @@ class LookupDrafter:
 
     def close(self) -> None:
         self.inner.close()
+
+
+def _merge(job: Future[JobResult], copies: dict[int, Rollout], asked: list[int]
+           ) -> Future[JobResult]:
+    """`job`'s result with the copied rollouts put back in their sequences' places."""
+    out: Future[JobResult] = Future()
+
+    def put(_: Future) -> None:
+        try:
+            done = job.result()
+        except BaseException as e:
+            out.set_exception(e)
+            return
+        rollouts = dict(copies) | dict(zip(asked, done.rollouts))
+        out.set_result(replace(done, rollouts=[rollouts[i] for i in range(len(rollouts))],
+                               extra={**done.extra, "copied": len(copies)}))
+
+    job.add_done_callback(put)
+    return out
 
 
 def _after(first: Future[JobResult], job: Future[JobResult]) -> Future[JobResult]:

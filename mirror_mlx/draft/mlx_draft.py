@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache
 
+from ..decode.schedule import device_name
 from .base import Job, JobResult
 from .net import DraftNet
 from .rollout import TreeState, run_job
@@ -59,6 +60,8 @@ class MLXDrafter:
         self.net = net
         self.vocab_size = net.config.vocab_size
         self.context = None
+        self.head_ids = np.array(net.head_ids)  # the tokens its head scores
+        self.compute = f"mlx:{device_name(mx.default_device())}"  # where its stream computes
         self.top_k = top_k
         self._executor = MLXExecutor(net)
         self._state = TreeState()

@@ -18,6 +18,7 @@ same length that gives the baseline.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,7 +28,9 @@ from ..decode.sampling import SamplingParams
 from ..draft.load import load_draft
 from ..errors import InvalidParameter
 from ..models.load import LoadedModel
+from ..platform import set_blas_threads
 from ..progress import Progress
+from .contention import measure_contention
 from .energy import EnergyReading, MeterChoice, measure
 from .mlx_lm_modes import MLXLMDraft, mlx_lm_steps, tokenizer_wrapper
 from .prompts import BenchPrompt
@@ -47,6 +50,10 @@ class BenchConfig:
     seed: int = 0
     draft: str | None = None  # draft spec (draft/load.py); None: the default draft
     lookup: bool = True  # sd and mirror also draft by copying from the context (draft/lookup.py)
+    branch_budget: int | None = None  # mirror's work beside the target; None: auto
+    # A core each for the target and the draft (one BLAS thread per call, the draft on its own
+    # thread), for every mode: drafting beside the target on a unit of its own, on one host.
+    separate_units: bool = False
     energy_seconds: float = 20.0
     warmup_tokens: int = 8
 
@@ -106,6 +113,7 @@ class BenchResult:
     energy: EnergyResult
     timeline: list[tuple[str, float, float]]  # first Mirror-SD generation, seconds from start
     draft: dict  # what the speculative modes drafted with
+    units: dict = field(default_factory=dict)  # compute layout and its contention check
 
 
 class _Mode:
@@ -156,7 +164,8 @@ def _open_modes(target: LoadedModel, config: BenchConfig) -> tuple[Engine, dict[
             elif name in ("sd", "mirror"):
                 modes[name] = _Mode(name, target, config, engine=Engine(
                     target, mode=name, draft=config.draft, gamma=config.gamma,
-                    lookup=config.lookup))
+                    lookup=config.lookup, branch_budget=config.branch_budget,
+                    separate_units=config.separate_units))
             elif name == "mlx-lm":
                 modes[name] = _Mode(name, target, config)
             else:
@@ -218,9 +227,11 @@ def run_bench(target: LoadedModel, prompts: list[BenchPrompt], config: BenchConf
     config.check()
     if not prompts:
         raise InvalidParameter("no prompts to run")
+    threads = config.separate_units and set_blas_threads(1)
     encoder, modes = _open_modes(target, config)
     try:
         draft = _describe_draft(target, config)
+        units = _check_units(target, config)
         warm = prompts[0]
         for mode in modes.values():
             _timed(mode, encoder.encode(warm.turns[0]),
@@ -231,7 +242,18 @@ def run_bench(target: LoadedModel, prompts: list[BenchPrompt], config: BenchConf
         for mode in modes.values():
             mode.close()
         encoder.close()
-    return BenchResult(config, runs, energy_result, timeline, draft)
+        if threads:
+            set_blas_threads(os.cpu_count() or 1)
+    return BenchResult(config, runs, energy_result, timeline, draft, units)
+
+
+def _check_units(target: LoadedModel, config: BenchConfig) -> dict:
+    """Where target and draft compute, and how much the draft beside slows the target."""
+    units = {"separate_units": config.separate_units,
+             "blas_threads": 1 if config.separate_units else os.cpu_count()}
+    if any(m in config.modes for m in ("sd", "mirror", "mlx-lm-sd")):
+        units |= measure_contention(target, load_draft(config.draft, target), config.gamma + 1)
+    return units
 
 
 def _timing_phase(target, prompts, config, encoder, modes, quiet):

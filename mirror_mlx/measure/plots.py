@@ -12,7 +12,8 @@ from .report import LABELS
 
 _COLORS = {"ar": "#7f7f7f", "sd": "#1f77b4", "mirror": "#d62728", "mlx-lm": "#2ca02c",
            "mlx-lm-sd": "#9467bd"}
-_SPANS = {"target_prefix": ("target", "#1f77b4", "target prefix (layers 1..l_e)"),
+_SPANS = {"target": ("target", "#6baed6", "target (whole forward, no split)"),
+          "target_prefix": ("target", "#1f77b4", "target prefix (layers 1..l_e)"),
           "target_suffix": ("target", "#aec7e8", "target suffix + verify"),
           "draft_early": ("draft", "#d62728", "draft: early rollout"),
           "draft_branches": ("draft", "#ff9896", "draft: branch rollouts"),
@@ -75,9 +76,10 @@ def tokens_per_second(runs: list[Run], modes: list[str], path: Path) -> Path | N
 
 def mirror_timeline(timeline: list[tuple[str, float, float]], path: Path,
                     steps: int = 6) -> Path | None:
-    """The first `steps` Mirror-SD steps: target prefix and suffix on one lane, the draft's
-    jobs on another, and each step's outcome (early rollout, branch, fallback)."""
-    ends = [e for label, _, e in timeline if label == "target_suffix"]
+    """The first `steps` Mirror-SD steps: the target (prefix and suffix where the step was
+    split) on one lane, the draft's jobs on another, and each step's outcome (early rollout,
+    branch, fallback)."""
+    ends = [e for label, _, e in timeline if label in ("target", "target_suffix")]
     if not ends:
         return None
     until = ends[min(steps, len(ends)) - 1]

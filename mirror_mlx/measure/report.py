@@ -16,8 +16,8 @@ from .bench import BenchResult, Run
 
 # Per-generation metrics, summarized as median and min-max.
 METRICS = ("ttft_s", "decode_tokens_per_second", "latency_s", "tokens_per_step", "reuse_rate",
-           "fallback_rate", "speedup_vs_ar", "speedup_vs_mlx_lm_sd")
-BASELINES = {"speedup_vs_ar": "ar", "speedup_vs_mlx_lm_sd": "mlx-lm-sd"}
+           "fallback_rate", "speedup_vs_ar", "speedup_vs_sd", "speedup_vs_mlx_lm_sd")
+BASELINES = {"speedup_vs_ar": "ar", "speedup_vs_sd": "sd", "speedup_vs_mlx_lm_sd": "mlx-lm-sd"}
 LABELS = {"ar": "AR (ours)", "sd": "SD (ours)", "mirror": "Mirror-SD (ours)",
           "mlx-lm": "mlx-lm", "mlx-lm-sd": "mlx-lm SD"}
 
@@ -110,7 +110,18 @@ def summarize(result: BenchResult) -> dict:
         per_category.setdefault(category, {})[mode] = s
     return {"overall": _group(result.runs, metrics, lambda r: r.mode),
             "per_category": per_category, "per_prompt": prompts,
-            "greedy_agreement": greedy_agreement(result), "energy": energy_summary(result)}
+            "greedy_agreement": greedy_agreement(result), "energy": energy_summary(result),
+            "units": result.units, "schedule": schedule_summary(result)}
+
+
+def schedule_summary(result: BenchResult) -> dict:
+    """Mirror-SD's steps per plan over the run, and what its scheduler said at the end."""
+    mirror = [r for r in result.runs if r.mode == "mirror"]
+    steps: dict[str, int] = {}
+    for r in mirror:
+        for plan, n in r.stats.plan_steps.items():
+            steps[plan] = steps.get(plan, 0) + n
+    return {"plan_steps": steps, "last": mirror[-1].stats.schedule if mirror else ""}
 
 
 def _versions() -> dict:
@@ -169,7 +180,7 @@ def _cell(s: dict | None, digits: int = 2, with_range: bool = False, pct: bool =
 
 
 _HEADER = ("| TTFT s | decode tok/s | latency s | tok/step | reuse | fallback | × AR "
-           "| × mlx-lm SD |")
+           "| × SD | × mlx-lm SD |")
 
 
 def _row(s: dict) -> str:
@@ -177,7 +188,8 @@ def _row(s: dict) -> str:
         str(s["runs"]), _cell(s["ttft_s"], 3), _cell(s["decode_tokens_per_second"], 1),
         _cell(s["latency_s"], 2), _cell(s["tokens_per_step"], 2),
         _cell(s["reuse_rate"], pct=True), _cell(s["fallback_rate"], pct=True),
-        _cell(s["speedup_vs_ar"], 2, True), _cell(s["speedup_vs_mlx_lm_sd"], 2, True)])
+        _cell(s["speedup_vs_ar"], 2, True), _cell(s["speedup_vs_sd"], 2, True),
+        _cell(s["speedup_vs_mlx_lm_sd"], 2, True)])
 
 
 def markdown(doc: dict, plots: dict[str, str]) -> str:
@@ -207,12 +219,12 @@ def markdown(doc: dict, plots: dict[str, str]) -> str:
         "",
         "## All categories", "",
         "| Mode | runs " + _HEADER,
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for mode, row in s["overall"].items():
         lines.append(f"| {LABELS[mode]} | {_row(row)} |")
     lines += ["", "## Per category", "", "| Category | Mode | runs " + _HEADER,
-              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for category, modes in sorted(s["per_category"].items()):
         for mode in c["modes"]:
             if mode in modes:
@@ -230,6 +242,23 @@ def markdown(doc: dict, plots: dict[str, str]) -> str:
             lines.append(f"- {LABELS[mode]}: {a['identical']}/{a['total']} generations "
                          "token-identical" + (f"; first differences at {a['differ']}"
                                               if a["differ"] else ""))
+    u, sched = s.get("units") or {}, s.get("schedule") or {}
+    if u or sched.get("plan_steps"):
+        lines += ["", "## Compute units and Mirror-SD's schedule", ""]
+    if u:
+        layout = ("A core each for target and draft (one BLAS thread per call)"
+                  if u["separate_units"] else "Target and draft share the cores")
+        if "slowdown" in u:
+            layout += (f"; a target verification forward takes {u['target_alone_ms']:.1f} ms "
+                       f"alone and {u['target_beside_ms']:.1f} ms with the draft computing "
+                       f"beside it ({u['slowdown']:.2f}×); a draft forward "
+                       f"{u['draft_alone_ms']:.1f} ms alone, {u['draft_beside_ms']:.1f} ms "
+                       "beside the target")
+        lines.append(f"- {layout}")
+    if sched.get("plan_steps"):
+        lines.append("- Mirror-SD steps per plan: " + ", ".join(
+            f"{k} {v}" for k, v in sorted(sched["plan_steps"].items())))
+        lines.append(f"- Its scheduler at the end: {sched['last']}")
     e = s["energy"]
     lines += ["", "## Energy", "", f"Meter: {e['backend']} — {e['note']}.", ""]
     if "idle" in e:

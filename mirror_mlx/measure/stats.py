@@ -27,6 +27,8 @@ class GenerationStats:
     fallback_steps: int = 0  # Mirror-SD steps that drafted afresh after verification
     exit_positions: int = 0  # verified window positions whose target token is known ...
     exit_covered: int = 0  # ... and of those, how many the early exit had in its top-kappa
+    plan_steps: dict[str, int] = field(default_factory=dict)  # Mirror-SD steps per plan
+    schedule: str = ""  # Mirror-SD: the plan the scheduler prefers now, and why
     time_s: dict[str, float] = field(default_factory=dict)  # target_prefix, draft, wait, ...
     overlap_fraction: float = 0.0  # share of draft time hidden under target compute
 
@@ -93,6 +95,9 @@ class GenerationStats:
         if self.mode == "mirror":
             parts.append(f"reuse {self.reuse_rate:.0%}")
             parts.append(f"overlap {self.overlap_fraction:.0%}")
+            steps = ", ".join(f"{k} {v}" for k, v in sorted(self.plan_steps.items()))
+            parts.append(f"steps by plan: {steps}")
+            parts.append(f"schedule {self.schedule}")
         parts.append(f"peak {self.peak_memory_gb:.2f} GB")
         parts.append(f"finish {self.finish_reason}")
         return " | ".join(parts)

@@ -74,9 +74,6 @@ class ExitHead(nn.Module):
         self.proj.weight = mx.zeros((hidden, hidden))
         self.proj.bias = mx.zeros((hidden,))
 
-    def __call__(self, model: nn.Module, h: mx.array) -> mx.array:
-        return final_logits(model, h + self.proj(h))
-
     def save(self, path: str | Path) -> None:
         mx.save_safetensors(str(path), {"weight": self.proj.weight, "bias": self.proj.bias},
                             metadata={"layer": str(self.layer), "format": "mirror-mlx-exit"})
@@ -102,9 +99,45 @@ class ExitHead(nn.Module):
         return head
 
 
-def exit_logits(model: nn.Module, h: mx.array, head: ExitHead | None) -> mx.array:
-    """Early-exit logits at every position of `h` (the raw logit lens when `head` is None)."""
-    return head(model, h) if head is not None else final_logits(model, h)
+@dataclass
+class ExitVocab:
+    """The early exit's reduced output layer: the LM head's rows for `ids` only. The full head
+    is about a fifth of a small target's weights; reading the exit through it at every window
+    position each step would cost that much again, while the branches only need the likely
+    tokens, and a draft can only continue from tokens its own head knows best anyway."""
+
+    ids: mx.array  # (n,) token ids
+    weight: mx.array  # (n, hidden) their output rows, dense
+
+    @staticmethod
+    def of(model: nn.Module, ids) -> ExitVocab:
+        ids = mx.array(ids, dtype=mx.int32)
+        out = getattr(model, "lm_head", None) or model.model.embed_tokens
+        if hasattr(out, "scales"):  # quantized: dequantize just the rows read out
+            rows = mx.dequantize(out.weight[ids], out.scales[ids], out.biases[ids],
+                                 group_size=out.group_size, bits=out.bits)
+        else:
+            rows = out.weight[ids]
+        vocab = ExitVocab(ids, rows.astype(model.model.norm.weight.dtype))
+        mx.eval(vocab.ids, vocab.weight)  # see ExitHead.load: decoding may run in another thread
+        return vocab
+
+
+def exit_logits(model: nn.Module, h: mx.array, head: ExitHead | None,
+                vocab: ExitVocab | None = None) -> mx.array:
+    """Early-exit logits at every position of `h` (the raw logit lens when `head` is None),
+    over `vocab.ids` when a reduced vocabulary is given, else over the whole vocabulary."""
+    if head is not None:
+        h = h + head.proj(h)
+    h = model.model.norm(h)
+    return lm_head(model, h) if vocab is None else h @ vocab.weight.T
+
+
+def exit_top_k(model: nn.Module, h: mx.array, head: ExitHead | None, vocab: ExitVocab | None,
+               k: int) -> tuple[mx.array, mx.array]:
+    """The exit's top-k token ids and log-probabilities (within its vocabulary) per position."""
+    ids, logp = top_k(exit_logits(model, h, head, vocab), k)
+    return (ids if vocab is None else vocab.ids[ids]), logp
 
 
 def top_k(logits: mx.array, k: int) -> tuple[mx.array, mx.array]:

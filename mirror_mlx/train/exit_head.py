@@ -91,7 +91,7 @@ def train_head(model: nn.Module, layer: int, h: np.ndarray, top_ids: np.ndarray,
     opt = optim.Adam(learning_rate=optim.cosine_decay(lr, steps, lr * 0.05))
 
     def loss_fn(head, x, ids, w):
-        logits = head(model, x)
+        logits = split.exit_logits(model, x, head)
         logq = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
         return -(mx.take_along_axis(logq, ids, axis=-1) * w).sum(-1).mean()
 

@@ -5,13 +5,14 @@ and a deliberately wrong acceptance rule is caught by the same test.
 Small real models make the exact distribution enumerable: a 4-layer llama target and a
 different 2-layer draft over an 8-token vocabulary; three generated tokens, 512 outcomes.
 Drafts copied from the context (prompt lookup: a point-mass q) are tested the same way; in
-an 8-token vocabulary a 1-token match is found at most steps."""
+an 8-token vocabulary a 1-token match is found at most steps. Mirror-SD runs all its plans."""
 
 import itertools
 import math
 
 from mirror_mlx.decode.mirror import MirrorConfig, mirror
 from mirror_mlx.decode.sampling import Sampler, SamplingParams, distribution
+from mirror_mlx.decode.schedule import Scheduler
 from mirror_mlx.decode.speculative import speculative
 from mirror_mlx.draft.lookup import LookupDrafter
 from mirror_mlx.draft.mlx_draft import MLXDrafter
@@ -101,9 +102,17 @@ def sd(target, cache, drafter, committed, sampler, stats, **kw):
                        **kw)
 
 
+# Mirror-SD's plans (serial, early rollout, early + 2 branches), switched from step to step
+# across all samples, so every plan's path is tested.
+PLAN_ORDER = itertools.cycle([2, 0, 1, 2, 1])
+
+
 def mirror_sd(target, cache, drafter, committed, sampler, stats, **kw):
-    config = MirrorConfig(gamma=2, kappa=3, exit_layer=2, budget=2, source="union")
-    return mirror(target, cache, drafter, committed, sampler, stats, config, 64, **kw)
+    config = MirrorConfig(gamma=2, kappa=3, exit_layer=2, source="union")
+    scheduler = Scheduler(separate=False, where="test", budget=2)
+    scheduler.choose = lambda: next(PLAN_ORDER)
+    return mirror(target, cache, drafter, committed, sampler, stats, config, 64, scheduler,
+                  **kw)
 
 
 @pytest.mark.parametrize("lookup", [False, True], ids=["network", "lookup"])

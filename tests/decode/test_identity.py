@@ -21,6 +21,7 @@ CONFIGS = [
          exit_layer=20),
     dict(mode="sd", gamma=5, lookup=False),
     dict(mode="mirror", gamma=5, kappa=8, branch_budget=4, lookup=False),
+    dict(mode="mirror", gamma=5),  # the automatic budget
 ]
 
 

@@ -50,7 +50,7 @@ def test_caches_consistent_across_turns(target):
     """Generation after generation in one session (cache reuse, rollbacks, reused branches)
     equals target-only decoding of the whole conversation from scratch."""
     messages = []
-    with Engine(target, mode="mirror", draft="self:27") as engine:
+    with Engine(target, mode="mirror", draft="self:27", branch_budget=4) as engine:
         for turn in ("Name a planet.", "Is it bigger than Earth?", "Name another one."):
             messages.append({"role": "user", "content": turn})
             result = engine.generate(messages, max_tokens=20)

@@ -82,14 +82,21 @@ def test_the_network_catches_up_after_lookups(target, drafter):
     assert late.fed_tokens == (len(main) - 1) - (len(plain) + 3) + 2 * 3
 
 
-def test_a_job_with_any_unmatched_sequence_goes_to_the_network(target, drafter):
+def test_each_sequence_is_copied_where_it_matches_and_the_rest_drafted(target, drafter):
     text = target.tokenizer.encode("red green blue, red green blue, red green")
     plain = target.tokenizer.encode("Paris is the capital of")
+    copies = drafter.copies
     result = drafter.submit(Job([text, plain], 3)).result()
-    assert "lookup" not in result.extra
-    assert [r.tokens for r in result.rollouts] == [greedy(target, text, 3),
-                                                  greedy(target, plain, 3)]
+    assert result.extra["copied"] == 1 and drafter.copies == copies + 1
+    assert [r.tokens for r in result.rollouts] == [lookup(text, 3), greedy(target, plain, 3)]
     assert np.array_equal(result.rollouts[1].top_ids[:, 0], greedy(target, plain, 3))
+    # The main line was copied, so the network compacted to it before drafting the other.
+    assert drafter.inner._state.trunk == text[:-1]
+
+    # A job that only adds branches is split the same way.
+    other = text[:-1] + plain[-2:]
+    late = drafter.submit(Job([other, text], 2, compact=False)).result()
+    assert [r.tokens for r in late.rollouts] == [greedy(target, other, 2), lookup(text, 2)]
 
 
 def test_a_failure_in_the_catch_up_reaches_the_caller(target, drafter):

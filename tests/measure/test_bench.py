@@ -34,7 +34,7 @@ def test_bench_end_to_end(default_gguf, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "mirror_mlx", "bench", "--target", str(default_gguf),
          "--prompts", str(prompts), "--max-tokens", "4", "--gamma", "2",
-         "--energy-seconds", "1", "--out", str(out)],
+         "--energy-seconds", "1", "--separate-units", "--branch-budget", "2", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "energy: " in done.stderr and "bench [" in done.stderr  # meter choice, progress
@@ -70,7 +70,12 @@ def test_bench_end_to_end(default_gguf, tmp_path):
     assert summary["overall"]["mirror"]["reuse_rate"] is not None
     assert summary["overall"]["sd"]["reuse_rate"] is None
     labels = {s["label"] for s in doc["timeline"]}
-    assert {"target_prefix", "target_suffix"} <= labels
+    assert {"target_prefix", "target_suffix"} <= labels  # a pinned budget splits every step
+    units = summary["units"]
+    assert units["separate_units"] and units["blas_threads"] == 1
+    assert units["target_alone_ms"] > 0 and units["slowdown"] > 0
+    assert summary["schedule"]["plan_steps"] == {"early+2": sum(
+        r["stats"]["target_steps"] for r in runs if r["mode"] == "mirror")}
     energy = summary["energy"]
     if energy["backend"] == "none":
         assert energy["note"].startswith("unavailable: ") and not energy["modes"]
@@ -82,6 +87,7 @@ def test_bench_end_to_end(default_gguf, tmp_path):
         assert f"| {label} | 3 |" in md
         assert f"| writing | {label} | 2 |" in md
     assert "## Energy" in md and energy["note"] in md
+    assert "A core each for target and draft" in md and "steps per plan: early+2" in md
     for png in ("speedup_by_category.png", "tokens_per_second.png", "mirror_timeline.png"):
         assert f"]({png})" in md
         image = imread(out / png)

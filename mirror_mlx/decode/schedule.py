@@ -1,0 +1,144 @@
+"""How much draft work Mirror-SD runs beside the target each step, chosen from what it costs.
+
+Work beside the target is free only where the draft computes on a unit the target does not use
+(Core ML on the Neural Engine beside the GPU; an MLX draft on the CPU beside a GPU target).
+Where both share the same cores (every MLX device on a CPU-only host), each rollout beside the
+target slows the target down, and plain SD's serial schedule is the faster one.
+
+A plan is a level of that work, from none to the most:
+  serial     SD's step: draft the window, then verify it with the whole forward;
+  early      the same, with the likeliest next window ("all accepted") rolled out beside it;
+  early+b    the forward split at the exit layer, and b branch rollouts beside its suffix.
+Tokens per step do not depend on the plan (same drafts, same verification), so the plan with
+the cheapest step commits the most tokens per second. A step's cost is measured from the
+moment its window is ready to the moment the next one is: the target, the wait for the draft,
+and the fresh drafting when no rollout was of use. The scheduler plays the cheapest plan it
+knows and now and then probes a neighbour, step for step against it on the same stretch of
+text; a probe that loses waits twice as long before the next. It starts from what the
+hardware suggests: serial where the draft shares the target's compute, the full budget where
+it does not. Plans only change the schedule, never what is committed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+AUTO_BUDGET = 8  # the most branches the automatic budget tries
+PROBE_STEPS = 4  # steps a probe plays another plan (as many again the current one)
+MARGIN = 0.05  # a probe replaces the current plan only when this much cheaper
+FIRST_PROBE = 16  # steps played before a plan's neighbour is first probed
+MAX_BACKOFF = 1024
+SMOOTHING = 0.2  # weight of the newest step in a plan's running cost
+
+
+@dataclass(frozen=True)
+class Plan:
+    early: bool  # roll out the "all accepted" window beside the verification
+    branches: int  # branch rollouts beside the target's suffix (0: no split, no exit readout)
+
+    @property
+    def name(self) -> str:
+        if not self.early:
+            return "serial"
+        return "early" if not self.branches else f"early+{self.branches}"
+
+
+SERIAL = Plan(False, 0)
+
+
+def plans_up_to(budget: int) -> tuple[Plan, ...]:
+    """The ladder of plans, from no work beside the target to `budget` branches."""
+    ladder = [SERIAL, Plan(True, 0)]
+    b = 2
+    while b < budget:
+        ladder.append(Plan(True, b))
+        b *= 2
+    if budget:
+        ladder.append(Plan(True, budget))
+    return tuple(ladder)
+
+
+class Scheduler:
+    """Chooses each step's plan; kept across a session's generations, so what it learned on
+    one reply holds for the next. A `fixed` budget pins one plan (early + that many)."""
+
+    def __init__(self, separate: bool, where: str, budget: int = 8, fixed: int | None = None):
+        self.where = where  # what the hardware suggested, in words
+        self.fixed = fixed
+        self.plans = (Plan(True, fixed),) if fixed is not None else plans_up_to(budget)
+        self.best = len(self.plans) - 1 if separate or fixed is not None else 0
+        self.cost: list[float | None] = [None] * len(self.plans)  # seconds per step
+        self.samples = [0] * len(self.plans)
+        self.backoff = [FIRST_PROBE] * len(self.plans)
+        self.since = 0  # steps since the last probe ended
+        self.probe: int | None = None
+        self.trial: dict[int, list[float]] = {}  # a probe's step costs, and the current plan's
+
+    def choose(self) -> int:
+        """The index of the plan for the next step (see `plans`)."""
+        if self.probe is None and self.samples[self.best] >= PROBE_STEPS:
+            due = [i for i in (self.best - 1, self.best + 1)
+                   if 0 <= i < len(self.plans) and self.since >= self.backoff[i]]
+            if due:
+                self.probe = min(due, key=lambda i: self.samples[i])
+                self.trial = {self.probe: [], self.best: []}
+        if self.probe is None:
+            return self.best
+        # A probe alternates with the current plan, so that both meet the same stretch of
+        # text (a reply's cost per step swings with how much of it lookup can copy).
+        return self.probe if len(self.trial[self.probe]) <= len(self.trial[self.best]) \
+            else self.best
+
+    def record(self, index: int, seconds: float) -> None:
+        """A step played with plan `index` cost `seconds` (window ready to next window ready)."""
+        old = self.cost[index]
+        self.cost[index] = seconds if old is None else old + SMOOTHING * (seconds - old)
+        self.samples[index] += 1
+        if self.probe is None or index not in self.trial:
+            self.since += 1
+            return
+        self.trial[index].append(seconds)
+        if min(len(t) for t in self.trial.values()) < PROBE_STEPS:
+            return
+        probe, base = (sum(self.trial[i]) / PROBE_STEPS for i in (self.probe, self.best))
+        if probe < (1 - MARGIN) * base:
+            self.backoff[self.best] = FIRST_PROBE
+            self.best = self.probe
+        else:
+            self.backoff[self.probe] = min(2 * self.backoff[self.probe], MAX_BACKOFF)
+        self.probe, self.since = None, 0
+
+    def explain(self) -> str:
+        """What it chose and why, in one line."""
+        if self.fixed is not None:
+            return f"{self.plans[0].name} (fixed by --branch-budget {self.fixed})"
+        known = ", ".join(f"{p.name} {c * 1e3:.0f} ms" for p, c in zip(self.plans, self.cost)
+                          if c is not None)
+        return (f"{self.plans[self.best].name}: {self.where}; measured per step: "
+                f"{known or 'nothing yet'}")
+
+
+def device_name(device: mx.Device) -> str:
+    return "gpu" if device.type == mx.DeviceType.gpu else "cpu"
+
+
+def draft_units(drafter, separate_units: bool = False) -> tuple[bool, str]:
+    """(whether the draft computes on a unit of its own, why), from where the drafter runs
+    (its `compute`: "coreml", or "mlx:" and its MLX device) and the target's MLX device."""
+    compute = getattr(drafter, "compute", "unknown")
+    target = device_name(mx.default_device())
+    if compute == "coreml":
+        return True, f"the draft runs on the Neural Engine (Core ML), the target on the {target}"
+    if compute.startswith("mlx:") and compute[4:] != target:
+        return True, f"the draft runs on the {compute[4:]}, the target on the {target}"
+    if separate_units:
+        return True, "the target and the draft have a core each (--separate-units)"
+    return False, f"the draft shares the target's compute ({target})"
+
+
+def scheduler_for(drafter, budget: int | None, separate_units: bool = False) -> Scheduler:
+    """The scheduler of a session: automatic (`budget` None) or pinned to `budget` branches."""
+    separate, where = draft_units(drafter, separate_units)
+    return Scheduler(separate, where, AUTO_BUDGET, budget)
