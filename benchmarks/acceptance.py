@@ -90,8 +90,9 @@ def main() -> None:
     if head is None:
         raise SystemExit("no exit head: name a file with --exit-head")
     encoder = Engine(target)
-    # The exit read out over the whole vocabulary and over the draft's head tokens only.
-    vocabs = [None, split.ExitVocab.of(target.model, net.head_ids)]
+    # The exit read out over the whole vocabulary and, as Mirror-SD does, over the draft's
+    # head tokens and the prompt's.
+    head_vocab = split.ExitVocab.of(target.model, net.head_ids)
     # tokens, steps (network), steps (lookup), exit hits (full), exit hits (reduced)
     totals = defaultdict(lambda: np.zeros(5))
     for p in load_prompts(args.prompts):
@@ -107,12 +108,13 @@ def main() -> None:
             right = guess == np.array(reply)
             row = [len(reply), steps(prompt, reply, right, args.gamma, False),
                    steps(prompt, reply, right, args.gamma, True),
-                   *exit_hits(target, head, vocabs, prompt + reply, reply, args.kappa)]
+                   *exit_hits(target, head, [None, head_vocab.with_tokens(target.model, prompt)],
+                              prompt + reply, reply, args.kappa)]
             totals[p.category] += row
             totals["all"] += row
     print(f"tokens per target step at gamma {args.gamma} (network alone, with lookup); "
           f"exit top-{args.kappa} coverage at layer {head.layer} over the whole vocabulary "
-          f"and over the draft's {len(net.head_ids)} head tokens")
+          f"and over the draft's {len(net.head_ids)} head tokens and the prompt's")
     print(f"{'category':16} {'network':>8} {'+lookup':>8} {'exit':>6} {'reduced':>8}")
     for cat, (tokens, net_steps, look_steps, hits, reduced) in sorted(
             totals.items(), key=lambda kv: (kv[0] == "all", kv[0])):

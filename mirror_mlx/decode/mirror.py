@@ -77,6 +77,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
     n_layers = len(model.layers)
     exit_layer = config.exit_head.layer if config.exit_head else config.exit_layer
     window: Rollout | None = None
+    vocab = None  # the exit's vocabulary for this generation, made on the first split step
     played: tuple[int, float] | None = None  # the last step's plan and when its window was ready
 
     def mark(label: str, start: float, end: float) -> None:
@@ -111,10 +112,12 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         split_pass = bool(g and plan.branches)
         if split_pass:
             # 2. Target prefix, then the early exit's top-kappa at every window position.
+            if vocab is None and config.exit_vocab is not None:
+                vocab = config.exit_vocab.with_tokens(model, committed)
             p = split.start(model, window_ids, cache)
             split.run_layers(model, p, 0, exit_layer)
-            exit_ids, exit_logp = split.exit_top_k(model, p.h[0], config.exit_head,
-                                                   config.exit_vocab, config.kappa)
+            exit_ids, exit_logp = split.exit_top_k(model, p.h[0], config.exit_head, vocab,
+                                                   config.kappa)
             mx.async_eval(exit_ids, exit_logp)
             drafter.run_pending()
             mx.eval(exit_ids, exit_logp)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 from mlx_lm.models.base import create_attention_mask
 
 from ..errors import ModelLoadError
@@ -121,6 +122,11 @@ class ExitVocab:
         vocab = ExitVocab(ids, rows.astype(model.model.norm.weight.dtype))
         mx.eval(vocab.ids, vocab.weight)  # see ExitHead.load: decoding may run in another thread
         return vocab
+
+    def with_tokens(self, model: nn.Module, tokens) -> ExitVocab:
+        """This vocabulary and `tokens` (a prompt's): replies quote their prompt, names and
+        numbers included, which a frequency-chosen list misses."""
+        return ExitVocab.of(model, np.union1d(np.array(self.ids), np.asarray(tokens)))
 
 
 def exit_logits(model: nn.Module, h: mx.array, head: ExitHead | None,
