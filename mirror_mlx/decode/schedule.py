@@ -13,10 +13,10 @@ Tokens per step do not depend on the plan (same drafts, same verification), so t
 the cheapest step commits the most tokens per second. A step's cost is measured from the
 moment its window is ready to the moment the next one is: the target, the wait for the draft,
 and the fresh drafting when no rollout was of use. The scheduler plays the cheapest plan it
-knows and now and then probes a neighbour, step for step against it on the same stretch of
-text; a probe that loses waits twice as long before the next. It starts from what the
-hardware suggests: serial where the draft shares the target's compute, the full budget where
-it does not. Plans only change the schedule, never what is committed.
+knows and now and then probes a neighbour or the serial plan, step for step against it on
+the same stretch of text; a probe that loses waits twice as long before the next. It starts
+from what the hardware suggests: serial where the draft shares the target's compute, the full
+budget where it does not. Plans only change the schedule, never what is committed.
 """
 
 from __future__ import annotations
@@ -79,8 +79,11 @@ class Scheduler:
     def choose(self) -> int:
         """The index of the plan for the next step (see `plans`)."""
         if self.probe is None and self.samples[self.best] >= PROBE_STEPS:
-            due = [i for i in (self.best - 1, self.best + 1)
-                   if 0 <= i < len(self.plans) and self.since >= self.backoff[i]]
+            # Neighbours, and the serial plan always: the ladder's costs need not be convex
+            # (a measured dip at some budget must not hide that no work beside is cheaper).
+            due = [i for i in {0, self.best - 1, self.best + 1}
+                   if 0 <= i < len(self.plans) and i != self.best
+                   and self.since >= self.backoff[i]]
             if due:
                 self.probe = min(due, key=lambda i: self.samples[i])
                 self.trial = {self.probe: [], self.best: []}

@@ -66,6 +66,15 @@ def test_separate_compute_starts_from_the_full_budget_and_comes_down_when_it_los
     assert s.plans[s.best].name == "early"
 
 
+def test_the_serial_plan_is_probed_from_anywhere_on_the_ladder():
+    """A plan whose neighbours both cost more is still left for serial when serial is cheaper
+    (measured on a host whose 'separate' cores still contend)."""
+    s = Scheduler(separate=True, where="separate")
+    play(s, {"serial": 0.20, "early": 0.25, "early+2": 0.24, "early+4": 0.22, "early+8": 0.23},
+         400)
+    assert s.plans[s.best] == SERIAL
+
+
 def test_a_fixed_budget_is_one_plan():
     s = Scheduler(separate=False, where="shared", fixed=3)
     assert set(play(s, {"early+3": 0.1}, 50)) == {"early+3"}
