@@ -167,6 +167,8 @@ class Session:
         finally:
             decoder.close()
             self._settle(prompt + generated)
+        if self.scheduler is not None:
+            stats.schedule = self.scheduler.explain()  # what it prefers now, after this reply
         end = time.perf_counter()
         stats.generated_tokens = len(generated)
         stats.finish_reason = finish

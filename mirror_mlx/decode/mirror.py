@@ -182,7 +182,6 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             else:
                 stats.fallback_steps += 1
         stats.record_step(g, accepted)
-        stats.schedule = scheduler.explain()
         new = drafts[:accepted] + [token]
         committed += new
         yield new

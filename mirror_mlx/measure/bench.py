@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from ..api import Engine
 from ..decode.sampling import SamplingParams
 from ..draft.load import load_draft
+from ..draft.net import DraftNet
 from ..errors import InvalidParameter
 from ..models.load import LoadedModel
 from ..platform import set_blas_threads
@@ -179,10 +180,10 @@ def _open_modes(target: LoadedModel, config: BenchConfig) -> tuple[Engine, dict[
     return ar, modes
 
 
-def _describe_draft(target: LoadedModel, config: BenchConfig) -> dict:
-    if not any(m in config.modes for m in ("sd", "mirror", "mlx-lm-sd")):
+def _describe_draft(net: DraftNet | None, config: BenchConfig) -> dict:
+    if net is None:
         return {}
-    c = load_draft(config.draft, target).config
+    c = net.config
     return {"spec": config.draft or "default", "layers": c.num_layers,
             "hidden_size": c.hidden_size, "head_size": c.head_size, "gamma": config.gamma,
             "lookup": config.lookup}
@@ -230,8 +231,10 @@ def run_bench(target: LoadedModel, prompts: list[BenchPrompt], config: BenchConf
     threads = config.separate_units and set_blas_threads(1)
     encoder, modes = _open_modes(target, config)
     try:
-        draft = _describe_draft(target, config)
-        units = _check_units(target, config)
+        net = load_draft(config.draft, target) if any(
+            m in config.modes for m in ("sd", "mirror", "mlx-lm-sd")) else None
+        draft = _describe_draft(net, config)
+        units = _check_units(target, net, config)
         warm = prompts[0]
         for mode in modes.values():
             _timed(mode, encoder.encode(warm.turns[0]),
@@ -247,12 +250,12 @@ def run_bench(target: LoadedModel, prompts: list[BenchPrompt], config: BenchConf
     return BenchResult(config, runs, energy_result, timeline, draft, units)
 
 
-def _check_units(target: LoadedModel, config: BenchConfig) -> dict:
+def _check_units(target: LoadedModel, net: DraftNet | None, config: BenchConfig) -> dict:
     """Where target and draft compute, and how much the draft beside slows the target."""
     units = {"separate_units": config.separate_units,
              "blas_threads": 1 if config.separate_units else os.cpu_count()}
-    if any(m in config.modes for m in ("sd", "mirror", "mlx-lm-sd")):
-        units |= measure_contention(target, load_draft(config.draft, target), config.gamma + 1)
+    if net is not None:
+        units |= measure_contention(target, net, config.gamma + 1)
     return units
 
 
