@@ -6,7 +6,10 @@ and while its tokens are accepted the draft sees exactly the target's text. So o
 the draft over each prompt + AR reply (teacher forcing) gives every step's accepted length:
 a step at position t accepts the run of positions t, t+1, ... (at most gamma) where the
 draft's argmax equals the reply's token. Prompt lookup is simulated with the engine's own
-`lookup`. Exact for drafts without speculative streams.
+`lookup`. Exact for drafts without speculative streams. A draft that reads the target's
+features drafts its i-th token of a step from its own features after the first: that is pass i
+of its training-time test (train/feature.py), run over the same text, so right[i, t] says
+whether it gets reply[t] right as the i-th token of a step.
 
 Exit coverage: Mirror-SD scores the early exit at the positions that saw committed context,
 which over a generation are all of its positions; so one target forward over prompt + reply,
@@ -32,6 +35,7 @@ from mirror_mlx.measure.bench import conversation
 from mirror_mlx.measure.prompts import load_prompts
 from mirror_mlx.models import split
 from mirror_mlx.models.load import load
+from mirror_mlx.train import feature
 
 import mlx.core as mx
 import numpy as np
@@ -39,7 +43,8 @@ import numpy as np
 
 def steps(prompt: list[int], reply: list[int], right: np.ndarray, gamma: int,
           use_lookup: bool) -> int:
-    """Target steps to commit `reply`; right[t]: the draft's guess for reply[t] is right."""
+    """Target steps to commit `reply`; right[i, t]: the draft's guess for reply[t] is right
+    when it is the i-th drafted token of a step (the same for every i for a token draft)."""
     context, t, n = list(prompt), 0, 0
     while t < len(reply):
         copy = lookup(context, gamma) if use_lookup else None
@@ -49,12 +54,26 @@ def steps(prompt: list[int], reply: list[int], right: np.ndarray, gamma: int,
                     and copy[accepted] == reply[t + accepted]:
                 accepted += 1
         else:
-            while accepted < gamma and t + accepted < len(reply) and right[t + accepted]:
+            while accepted < gamma and t + accepted < len(reply) and \
+                    right[accepted, t + accepted]:
                 accepted += 1
         step = min(accepted + 1, len(reply) - t)
         context += reply[t : t + step]
         t, n = t + step, n + 1
     return n
+
+
+def correct(target, net, prompt: list[int], reply: list[int], gamma: int) -> np.ndarray:
+    """(gamma, len(reply)): whether the draft's argmax is reply[t] as the i-th drafted token."""
+    ids = prompt + reply[:-1]
+    if net.reads_features:
+        f = feature.target_features(target, [np.array(ids)], net.config.feature_layers)[0]
+        passes = feature.unrolled_logits(net, mx.array([ids]), mx.array(f[None]), gamma)
+    else:
+        passes = [net(mx.array([ids]))] * gamma
+    guesses = [np.array(net.head_ids[mx.argmax(p[0, len(prompt) - 1 :], axis=-1)])
+               for p in passes]
+    return np.stack(guesses) == np.array(reply)[None]
 
 
 def exit_hits(target, head, vocabs, ids: list[int], reply: list[int], kappa: int) -> list[int]:
@@ -103,9 +122,7 @@ def main() -> None:
                 break
             prompt = encoder.encode(conversation(p, texts, turn))
             texts.append(target.tokenizer.decode(reply, skip_special_tokens=True))
-            logits = net(mx.array([prompt + reply[:-1]]))[0, len(prompt) - 1 :]
-            guess = np.array(net.head_ids[mx.argmax(logits, axis=-1)])
-            right = guess == np.array(reply)
+            right = correct(target, net, prompt, reply, args.gamma)
             row = [len(reply), steps(prompt, reply, right, args.gamma, False),
                    steps(prompt, reply, right, args.gamma, True),
                    *exit_hits(target, head, [None, head_vocab.with_tokens(target.model, prompt)],

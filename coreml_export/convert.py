@@ -18,7 +18,7 @@ from mirror_mlx.draft.coreml_package import (
     weights_sha256,
 )
 from mirror_mlx.draft.net import DraftNet
-from mirror_mlx.errors import InvalidParameter
+from mirror_mlx.errors import IncompatibleDraft, InvalidParameter
 from mirror_mlx.progress import Progress
 
 import numpy as np
@@ -39,6 +39,11 @@ def package_spec(net: DraftNet, context: int, max_branch_tokens: int, source: st
     """The contract a package of `net` will have, and the weights it will hold."""
     if compress not in COMPRESSIONS:
         raise InvalidParameter(f"--compress must be one of {', '.join(COMPRESSIONS)}")
+    if net.reads_features:
+        raise IncompatibleDraft(
+            "this draft reads the target's hidden states; Core ML packages of such drafts are "
+            "not supported yet (export a draft trained with `distill --features none`, or run "
+            "this one with MLX)")
     weights = draft_weights(net)
     path = Path(source).expanduser()
     spec = PackageSpec(net.config, context, query_sizes(max_branch_tokens),

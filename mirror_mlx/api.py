@@ -12,6 +12,7 @@ from pathlib import Path
 
 from jinja2 import TemplateError
 
+from .decode.length import LONGEST
 from .decode.mirror import MirrorConfig
 from .decode.sampling import SamplingParams
 from .decode.schedule import AUTO_BUDGET
@@ -126,7 +127,7 @@ class Engine:
 
     def __init__(self, model: str | LoadedModel | None = None, *, mode: str = "ar",
                  draft: str | None = None, dtype: str = "auto", context: int | None = None,
-                 gamma: int = 5, kappa: int = 8, exit_layer: int | None = None,
+                 gamma: int | None = None, kappa: int = 8, exit_layer: int | None = None,
                  exit_head: str | None = None, branch_budget: int | None = None,
                  branch_source: str = "union", lookup: bool = True,
                  separate_units: bool = False, quiet: bool = False):
@@ -140,7 +141,7 @@ class Engine:
         head = load_exit_head(exit_head, model, exit_layer) if mode == "mirror" else None
         layer = head.layer if head else exit_layer or round(model.num_layers * 5 / 6)
         settings = DecodeSettings(mode, gamma, MirrorConfig(
-            gamma=gamma, kappa=kappa, exit_layer=layer, budget=branch_budget,
+            kappa=kappa, exit_layer=layer, budget=branch_budget,
             source=branch_source, exit_head=head, separate_units=separate_units))
         settings.check(model.num_layers)
         if mode != "ar":
@@ -155,7 +156,8 @@ class Engine:
             if self.drafter.context is not None:
                 # The draft's cache also holds the window and the branches rolled out beside it.
                 budget = AUTO_BUDGET if branch_budget is None else branch_budget
-                room = self.drafter.context - (budget + 1) * (2 * gamma + 2)
+                window = gamma or LONGEST
+                room = self.drafter.context - (budget + 1) * (2 * window + 2)
                 context = min(context or model.context_length, room)
         try:
             self.session = Session(self.target, context, self.drafter, settings)

@@ -25,8 +25,11 @@ def _decoding_args(p: argparse.ArgumentParser) -> None:
                    help="ar: target only; sd: vanilla speculative; mirror: Mirror-SD")
     p.add_argument("--draft", default=None,
                    help="draft: a distilled draft folder, a llama model spec, 'self:N' (the "
-                        "target's first N layers) or 'default'")
-    p.add_argument("--gamma", type=int, default=5, help="drafted tokens per step")
+                        "target's first N layers), 'default' or 'default-tokens' (the shipped "
+                        "draft that reads tokens only)")
+    p.add_argument("--gamma", type=_auto_or_int, default=None, metavar="auto|N",
+                   help="drafted tokens per step: auto (default) drafts while the draft's "
+                        "confidence says a token is worth its measured cost; N fixes it")
     p.add_argument("--kappa", type=int, default=8, help="early-exit top-k per position")
     p.add_argument("--exit-layer", type=int, default=None,
                    help="layer whose output feeds the early exit (default: the exit head's, "
@@ -35,7 +38,7 @@ def _decoding_args(p: argparse.ArgumentParser) -> None:
                    help="draft with the draft network only, never by copying from the context")
     p.add_argument("--exit-head", default=None,
                    help="trained exit head file, 'none' (raw logit lens) or 'default'")
-    p.add_argument("--branch-budget", type=_budget, default=None, metavar="auto|N",
+    p.add_argument("--branch-budget", type=_auto_or_int, default=None, metavar="auto|N",
                    help="Mirror-SD: work beside the target per step; auto (default) measures "
                         "what it costs and chooses (none where the draft shares the target's "
                         "compute); N pins the early rollout and N branches")
@@ -43,7 +46,7 @@ def _decoding_args(p: argparse.ArgumentParser) -> None:
                    help="where branch tokens come from")
 
 
-def _budget(text: str) -> int | None:
+def _auto_or_int(text: str) -> int | None:
     if text == "auto":
         return None
     try:
@@ -116,10 +119,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 is greedy")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--gamma", type=int, default=5, help="drafted tokens per step")
+    p.add_argument("--gamma", type=_auto_or_int, default=None, metavar="auto|N",
+                   help="drafted tokens per step: auto (default) drafts while the draft's "
+                        "confidence says a token is worth its measured cost; N fixes it")
     p.add_argument("--no-lookup", dest="lookup", action="store_false",
                    help="sd and mirror draft with the draft network only (as mlx-lm-sd does)")
-    p.add_argument("--branch-budget", type=_budget, default=None, metavar="auto|N",
+    p.add_argument("--branch-budget", type=_auto_or_int, default=None, metavar="auto|N",
                    help="Mirror-SD's work beside the target (as for generate)")
     p.add_argument("--separate-units", action="store_true",
                    help="a core each for target and draft in every mode (one BLAS thread per "
@@ -133,7 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export-draft", help="export a draft to a Core ML package for the "
                                             "Neural Engine (needs the export extra)")
     p.add_argument("--model", default=None, help="the target the draft serves (as for generate)")
-    p.add_argument("--draft", default=None, help="the draft (as for generate; default: default)")
+    p.add_argument("--draft", default="default-tokens",
+                   help="the draft (as for generate); a draft that reads the target's features "
+                        "cannot be exported yet, so the default is 'default-tokens'")
     p.add_argument("--out", required=True, help="the package to write, X.mlpackage")
     p.add_argument("--context", type=int, default=2048, help="KV slots in the package's state")
     p.add_argument("--max-branch-tokens", type=int, default=32,
@@ -154,7 +161,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts to sample responses for (passages and follow-ups add more)")
     p.add_argument("--prompts", default=None,
                    help="a file of prompts, one per line (default: generated prompts)")
-    p.add_argument("--layers", type=int, default=3, help="draft layers (from the target's)")
+    p.add_argument("--features", default="auto",
+                   help="a draft that reads the target's hidden states: 'auto' (a low, a middle "
+                        "and a late layer), comma-separated layer numbers, or 'none' (a draft of "
+                        "the target's first layers that reads tokens only)")
+    p.add_argument("--unroll", type=int, default=3,
+                   help="training-time test: passes of the draft on its own features")
+    p.add_argument("--minutes", type=float, default=None,
+                   help="stop training after this long and save the draft (resumable)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="draft layers (default: 1 for a feature draft, 3 otherwise)")
     p.add_argument("--head-tokens", type=int, default=8192,
                    help="output vocabulary: the target's most used tokens")
     p.add_argument("--epochs", type=float, default=2.0)
@@ -314,14 +330,35 @@ def cmd_distill(args) -> None:
     from .models.load import load
     from .train.distill import TrainConfig, run_distill
 
-    cfg = TrainConfig(layers=args.layers, head_tokens=args.head_tokens, seq_len=args.seq_len,
-                      batch=args.batch, epochs=args.epochs, lr=args.lr, seed=args.seed,
-                      streams=args.streams, init=args.init)
     target = load(args.target, dtype="float32")
+    features = _feature_layers(args.features, target.num_layers)
+    cfg = TrainConfig(layers=args.layers or (1 if features else 3),
+                      head_tokens=args.head_tokens, seq_len=args.seq_len, batch=args.batch,
+                      epochs=args.epochs, lr=args.lr, seed=args.seed, streams=args.streams,
+                      init=args.init, features=features, unroll=args.unroll,
+                      minutes=args.minutes)
     report = run_distill(target, Path(args.out), cfg, args.conversations, args.max_new,
                          args.sample_batch, Path(args.prompts) if args.prompts else None)
     print(json.dumps(report, indent=1))
     print(f"draft written to {Path(args.out) / 'draft'}", file=sys.stderr)
+
+
+def _feature_layers(text: str, num_layers: int) -> list[int] | None:
+    from .errors import InvalidParameter
+    from .train.feature import default_feature_layers
+
+    if text == "none":
+        return None
+    if text == "auto":
+        return default_feature_layers(num_layers)
+    try:
+        layers = sorted({int(x) for x in text.split(",")})
+    except ValueError:
+        raise InvalidParameter(f"--features takes auto, none or layer numbers (got '{text}')") \
+            from None
+    if not layers or not all(0 < n <= num_layers for n in layers):
+        raise InvalidParameter(f"--features: layers must be in 1..{num_layers} (got '{text}')")
+    return layers
 
 
 def cmd_distill_exit(args) -> None:

@@ -9,16 +9,19 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .decode.autoregressive import autoregressive
+from .decode.length import DraftLength
 from .decode.mirror import MirrorConfig, mirror
 from .decode.sampling import Sampler, SamplingParams
 from .decode.schedule import scheduler_for
 from .decode.speculative import speculative
-from .draft.base import Drafter, Job
+from .draft.base import Drafter, Features, Job
 from .errors import InvalidParameter, PromptTooLong
 from .measure.stats import GenerationStats
+from .models import split
 from .models.load import LoadedModel
 from .text import TextStream
 
@@ -29,14 +32,14 @@ MODES = ("ar", "sd", "mirror")
 @dataclass
 class DecodeSettings:
     mode: str = "ar"  # ar | sd | mirror
-    gamma: int = 5  # drafted tokens per step (sd and mirror)
+    gamma: int | None = None  # drafted tokens per step (sd and mirror); None: adaptive
     mirror: MirrorConfig = field(default_factory=MirrorConfig)
 
     def check(self, num_layers: int) -> None:
         m = self.mirror
         if self.mode not in MODES:
             raise InvalidParameter(f"mode must be one of {', '.join(MODES)} (got '{self.mode}')")
-        if self.gamma < 1:
+        if self.gamma is not None and self.gamma < 1:
             raise InvalidParameter(f"gamma must be at least 1 (got {self.gamma})")
         if m.kappa < 1:
             raise InvalidParameter(f"kappa must be at least 1 (got {m.kappa})")
@@ -86,6 +89,8 @@ class Session:
         self.scheduler = scheduler_for(drafter, self.settings.mirror.budget,
                                        self.settings.mirror.separate_units) \
             if self.settings.mode == "mirror" else None
+        # The adaptive draft length's measurements hold across generations too.
+        self.length = DraftLength() if self.settings.gamma is None else None
 
     def reset(self) -> None:
         self._trim(0)
@@ -122,11 +127,16 @@ class Session:
         mx.reset_peak_memory()
         start = time.perf_counter()
         draft_prefill = None
+        reads = mode != "ar" and bool(self.drafter.feature_layers)
         if mode != "ar":
-            # The draft fills its own cache on its side while the target prefills.
             self.drafter.reseed(sampler.params.seed)
-            draft_prefill = self.drafter.submit(Job([prompt], 0, label="prefill"))
-        last = self._prefill(prompt, stats, cancel, on_prefill)
+            if not reads:  # the draft fills its own cache on its side while the target prefills
+                draft_prefill = self.drafter.submit(Job([prompt], 0, label="prefill"))
+        last, features = self._prefill(prompt, stats, cancel, on_prefill)
+        if reads:  # a draft that reads the target's features prefills from them
+            draft_prefill = self.drafter.submit(Job([prompt], 0, label="prefill",
+                                                    features=features))
+            features = []
         if draft_prefill is not None:
             self.drafter.run_pending()
             draft_prefill.result()
@@ -134,7 +144,7 @@ class Session:
         stats.prefill_s = prefilled - start
 
         text = TextStream(self.target.tokenizer, stop)
-        decoder = self._decoder(prompt, last, sampler, stats)
+        decoder = self._decoder(prompt, last, sampler, stats, features)
         generated: list[int] = []
         finish = "cancelled" if cancel is not None and cancel.is_set() else ""
         try:
@@ -180,38 +190,48 @@ class Session:
             stats.overlap_fraction = stats.time_s.get("draft_hidden", 0.0) / drafting
         yield Chunk(text.flush(), [], stats)
 
-    def _decoder(self, prompt: list[int], last: int, sampler: Sampler, stats: GenerationStats):
+    def _decoder(self, prompt: list[int], last: int, sampler: Sampler, stats: GenerationStats,
+                 features: list[Features]):
         s, model, cache = self.settings, self.target.model, self.cache
         if s.mode == "ar":
             return autoregressive(model, cache, last, sampler, stats)
         committed = self.tokens + [last]
+        gamma = self.length or s.gamma
         if s.mode == "sd":
-            return speculative(model, cache, self.drafter, committed, sampler, stats, s.gamma,
-                               self.context)
-        mirror_config = MirrorConfig(**{**s.mirror.__dict__, "gamma": s.gamma})
+            return speculative(model, cache, self.drafter, committed, sampler, stats, gamma,
+                               self.context, features)
+        mirror_config = MirrorConfig(**{**s.mirror.__dict__, "gamma": gamma})
         return mirror(model, cache, self.drafter, committed, sampler, stats, mirror_config,
-                      self.context, self.scheduler, self.timeline)
+                      self.context, self.scheduler, self.timeline, features)
 
-    def _prefill(self, prompt, stats, cancel, on_prefill) -> int:
-        """Fill the cache with all of `prompt` but its last token, reusing what it holds."""
+    def _prefill(self, prompt, stats, cancel, on_prefill) -> tuple[int, list[Features]]:
+        """Fill the cache with all of `prompt` but its last token, reusing what it holds.
+        Returns the last token, and the target's features after the prefilled tokens when
+        the draft reads them."""
         keep = common_prefix(self.tokens, prompt[:-1])
         self._trim(keep)
         stats.cached_prompt_tokens = keep
         todo = prompt[keep:-1]
+        taps = self.drafter.feature_layers if self.drafter is not None and \
+            self.settings.mode != "ar" else ()
+        features = []
         for at in range(0, len(todo), PREFILL_CHUNK):
             if cancel is not None and cancel.is_set():
                 break
             chunk = todo[at : at + PREFILL_CHUNK]
-            self.target.model(mx.array(chunk)[None], cache=self.cache)
+            _, feats = split.forward(self.target.model, mx.array(chunk)[None], self.cache, taps)
             states = [c.state for c in self.cache]
-            mx.async_eval(states)
+            rows = mx.concatenate(feats, axis=-1)[0].astype(mx.float32) if taps else None
+            mx.async_eval(states, rows) if taps else mx.async_eval(states)
             if self.drafter is not None:  # an inline drafter prefills now, beside the target
                 self.drafter.run_pending()
             mx.eval(states)
+            if taps:
+                features.append(Features(prompt, keep + at, np.array(rows)))
             self.tokens.extend(chunk)
             if on_prefill:
                 on_prefill(keep + at + len(chunk), len(prompt) - 1)
-        return prompt[-1]
+        return prompt[-1], features
 
     def _trim(self, keep: int) -> None:
         offset = self.cache[0].offset

@@ -34,10 +34,11 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..draft.base import Drafter, Job, Rollout
+from ..draft.base import Drafter, Features, Job, Rollout
 from ..measure.stats import GenerationStats
 from ..models import split
 from .branches import rank_branches
+from .length import DraftLength
 from .sampling import Sampler
 from .schedule import Scheduler, scheduler_for
 from .verify import judge, speculative_accept
@@ -45,7 +46,7 @@ from .verify import judge, speculative_accept
 
 @dataclass
 class MirrorConfig:
-    gamma: int = 5
+    gamma: int | DraftLength = 5  # a fixed window, or the adaptive length's state
     kappa: int = 8
     exit_layer: int = 25
     budget: int | None = None  # branches beside the suffix (None: auto, see schedule.py)
@@ -57,7 +58,7 @@ class MirrorConfig:
 
 def _tail(r: Rollout, skip: int) -> Rollout:
     return Rollout(r.tokens[skip:], r.top_ids[skip:], r.top_probs[skip:],
-                   None if r.probs is None else r.probs[skip:])
+                   None if r.probs is None else r.probs[skip:], r.ended)
 
 
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
@@ -67,15 +68,23 @@ def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
 def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int],
            sampler: Sampler, stats: GenerationStats, config: MirrorConfig, limit: int,
            scheduler: Scheduler | None = None, timeline: list | None = None,
+           features: list[Features] | None = None,
            accept=speculative_accept) -> Iterator[list[int]]:
     """Yields the tokens each step commits; same contract as `speculative`. `scheduler`
-    chooses each step's plan (a session keeps one across generations)."""
+    chooses each step's plan (a session keeps one across generations).
+
+    A draft that reads the target's features gets those of each step's committed tokens with
+    its next job; the branch rollouts read the window's features at the early exit (the
+    feature layers lie at or below it), before verification has ended."""
     if scheduler is None:
         scheduler = scheduler_for(drafter, config.budget, config.separate_units)
     committed = list(committed)
     q_params = None if sampler.params.greedy else sampler.params
     n_layers = len(model.layers)
     exit_layer = config.exit_head.layer if config.exit_head else config.exit_layer
+    taps = drafter.feature_layers
+    pending = list(features or [])  # features the draft has not been sent yet
+    length = config.gamma if isinstance(config.gamma, DraftLength) else None
     window: Rollout | None = None
     vocab = None  # the exit's vocabulary for this generation, made on the first split step
     played: tuple[int, float] | None = None  # the last step's plan and when its window was ready
@@ -85,12 +94,21 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             timeline.append((label, start, end))
 
     while True:
-        g = max(0, min(config.gamma, limit - len(committed)))
-        if g and (window is None or len(window.tokens) < g):
+        longest = length.longest if length else config.gamma
+        g = max(0, min(longest, limit - len(committed)))
+        confidence = length.threshold() if length else 0.0
+        if g and (window is None or (len(window.tokens) < g and not window.ended)):
             t = time.perf_counter()
-            window = drafter.submit(Job([committed], g, q_params, "fresh")).result().rollouts[0]
+            done = drafter.submit(Job([committed], g, q_params, "fresh", features=pending,
+                                      min_confidence=confidence)).result()
+            pending = []
+            window = done.rollouts[0]
             stats.add_time("draft_serial", time.perf_counter() - t)
             mark("draft_fresh", t, time.perf_counter())
+            if length and not done.extra.get("lookup"):
+                length.record_draft(done.end - done.start, max(1, done.forwards))
+        drafts = window.tokens[:g] if g else []
+        g = len(drafts)
         ready = time.perf_counter()
         if played is not None:
             scheduler.record(played[0], ready - played[1])
@@ -98,14 +116,16 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         plan = scheduler.plans[index]
         played = (index, ready)
         stats.plan_steps[plan.name] = stats.plan_steps.get(plan.name, 0) + 1
-        drafts = window.tokens[:g] if g else []
         q = window.probs[:g] if g and window.probs is not None else None
         stop = threading.Event()
         window_ids = mx.array([committed[-1:] + drafts])
 
         # 1. The likeliest outcome needs no early-exit signal: start it now.
-        early = drafter.submit(Job([committed + drafts], g + 1, q_params, "early", True, stop)) \
-            if g and plan.early else None
+        early = None
+        if g and plan.early:
+            early = drafter.submit(Job([committed + drafts], longest + 1, q_params, "early", True,
+                                       stop, pending, confidence))
+            pending = []
 
         picks, late = [], None
         t_start = time.perf_counter()
@@ -114,8 +134,12 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             # 2. Target prefix, then the early exit's top-kappa at every window position.
             if vocab is None and config.exit_vocab is not None:
                 vocab = config.exit_vocab.with_tokens(model, committed)
-            p = split.start(model, window_ids, cache)
+            p = split.start(model, window_ids, cache, taps)
             split.run_layers(model, p, 0, exit_layer)
+            seen = []  # the window's features at the exit, for the branches
+            if taps and len(p.features) == len(taps):
+                rows = mx.concatenate(p.features, axis=-1)[0].astype(mx.float32)
+                seen = [Features(committed + drafts, len(committed) - 1, np.array(rows))]
             exit_ids, exit_logp = split.exit_top_k(model, p.h[0], config.exit_head, vocab,
                                                    config.kappa)
             mx.async_eval(exit_ids, exit_logp)
@@ -130,20 +154,28 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
                 drafts, np.array(exit_ids), np.array(exit_logp), window.top_ids[:g],
                 window.top_probs[:g], plan.branches, config.source)
             late = drafter.submit(Job([committed + drafts[: b.r] + [b.token] for b in picks],
-                                      g, q_params, "branches", False, stop))
+                                      longest, q_params, "branches", False, stop,
+                                      pending + seen, confidence))
+            pending = []
 
             # 4. Target suffix and verification.
             split.run_layers(model, p, exit_layer, n_layers)
             logits = split.final_logits(model, p.h[0])
+            feats = p.features
         else:
             # 4. The whole target forward, unsplit: nothing waits for an exit readout.
             t_suffix = t_start
-            logits = model(window_ids, cache=cache)[0]
+            logits, feats = split.forward(model, window_ids, cache, taps)
+            logits = logits[0]
         mx.async_eval(logits)
         drafter.run_pending()
         accepted, token = judge(logits, drafts, q, sampler, accept)
         for c in cache:
             c.trim(g - accepted)
+        if taps:
+            rows = mx.concatenate(feats, axis=-1)[0, : accepted + 1].astype(mx.float32)
+            pending.append(Features(committed + drafts[:accepted] + [token], len(committed) - 1,
+                                    np.array(rows)))
         t_done = time.perf_counter()
         if split_pass:
             # Positions 0..A saw committed context: there the early exit's guess can be scored.
@@ -152,6 +184,9 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             stats.exit_positions += accepted + 1
             stats.exit_covered += int((guessed == truth).any(axis=1).sum())
         stats.add_time("target_suffix" if split_pass else "target", t_done - t_suffix)
+        if length:
+            length.record_target(t_done - t_start, g)
+            stats.draft_lengths[g] = stats.draft_lengths.get(g, 0) + 1
         mark("target_suffix" if split_pass else "target", t_suffix, t_done)
 
         # 5. Reuse a rollout of the actual outcome, or fall back to drafting afresh.

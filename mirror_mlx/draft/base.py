@@ -21,6 +21,17 @@ from ..decode.sampling import SamplingParams
 
 
 @dataclass
+class Features:
+    """The target's features (its outputs at a feature-conditioned draft's `feature_layers`,
+    concatenated) after the tokens at positions start, start + 1, ... of `line`: what the
+    draft reads for the tokens that follow them."""
+
+    line: list[int]
+    start: int
+    rows: np.ndarray  # (m, len(feature_layers) * target hidden) float32
+
+
+@dataclass
 class Job:
     """Draft `n` tokens after each of `sequences` (full token sequences, typically a shared
     context plus a branch). `n == 0` only brings the cache up to date (a prefill).
@@ -36,6 +47,11 @@ class Job:
     label: str = "draft"
     compact: bool = True
     cancel: threading.Event | None = None
+    # What the target computed since the last job (a draft that reads features keeps them).
+    features: list[Features] = field(default_factory=list)
+    # Adaptive length: stop drafting a sequence once the draft's chance that all its tokens
+    # so far are accepted (the product of its confidences) falls below this.
+    min_confidence: float = 0.0
 
 
 @dataclass
@@ -44,6 +60,7 @@ class Rollout:
     top_ids: np.ndarray  # (n, k) the draft's k best tokens at each drafted position
     top_probs: np.ndarray  # (n, k) their probabilities under the draft
     probs: np.ndarray | None = None  # (n, vocab) sampling distributions q; None when greedy
+    ended: bool = False  # stopped short of the job's n by its confidence (Job.min_confidence)
 
 
 @dataclass
@@ -63,6 +80,7 @@ class Drafter(Protocol):
     context: int | None  # the most tokens the draft's cache holds; None: no fixed limit
     head_ids: np.ndarray  # the tokens the draft's head scores (its output vocabulary)
     compute: str  # where it computes: "coreml", or "mlx:" and its MLX device (schedule.py)
+    feature_layers: tuple[int, ...]  # target layers it reads (empty: it reads tokens only)
 
     def submit(self, job: Job) -> Future[JobResult]:
         """Queue a job. A threaded drafter starts it at once; an inline one (Core ML on the

@@ -54,6 +54,7 @@ class CoreMLExecutor:
         self.vocab_size = c.vocab_size
         self.head_ids = np.array(c.head_tokens or range(c.vocab_size), dtype=np.int32)
         self.streams = 0
+        self.reads_features = False  # export refuses feature-conditioned drafts (convert.py)
         self.state = runtime.make_state()
         self.size = 0  # slots in use; those beyond hold stale or padding entries, never read
         # Core ML may keep an input's memory bound for about a second after predict returns
@@ -85,7 +86,7 @@ class CoreMLExecutor:
             self.state.write_state("v_cache", values)
         self.size = dst + n
 
-    def forward(self, tokens, positions, mask, rows) -> np.ndarray:
+    def forward(self, tokens, positions, mask, rows, features=None) -> np.ndarray:
         n, start, L = len(tokens), self.size, self.spec.context
         if start + n > L:
             raise PromptTooLong(
@@ -152,6 +153,7 @@ class CoreMLDrafter:
         self.context = executor.spec.context  # the most tokens the draft's cache holds
         self.head_ids = executor.head_ids  # the tokens its head scores
         self.compute = "coreml"  # on the units the package names (the Neural Engine), not MLX's
+        self.feature_layers = ()
         self.top_k = top_k
         self._executor = executor
         self._state = TreeState()

@@ -1,7 +1,9 @@
 """Draft specs -> a DraftNet for a given target.
 
-- "default": the draft shipped for the default target when the target is the default model,
-  else the target's first layers ("self:2");
+- "default": the draft shipped for the default target when the target is the default model
+  (it reads the target's features), else the target's first layers ("self:2");
+- "default-tokens": the shipped draft that reads tokens only (what mlx-lm's speculative
+  decoding and a Core ML package can run), else "self:2";
 - "self:N": the target's first N layers with its final norm and LM head (shared weights);
 - a folder written by `mirror-mlx distill` (config.json with format "mirror-mlx-draft");
 - anything `models.load` reads (GGUF, mlx-lm folder, hub id): a llama-style model whose
@@ -20,6 +22,7 @@ from .net import DraftNet
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFT = ASSETS / "draft-smollm2-135m"
+SHIPPED_TOKEN_DRAFT = ASSETS / "draft-smollm2-135m-tokens"
 SHIPPED_EXIT_HEAD = ASSETS / "exit-smollm2-135m.safetensors"
 DEFAULT_SELF_LAYERS = 2
 
@@ -36,9 +39,10 @@ def target_info(target: LoadedModel) -> dict:
 
 def load_draft(spec: str | None, target: LoadedModel) -> DraftNet:
     spec = spec or "default"
-    if spec == "default":
-        if target.name == "default" and DraftNet.is_draft_folder(SHIPPED_DRAFT):
-            return load_folder(SHIPPED_DRAFT, target)
+    shipped = {"default": SHIPPED_DRAFT, "default-tokens": SHIPPED_TOKEN_DRAFT}.get(spec)
+    if shipped is not None:
+        if target.name == "default" and DraftNet.is_draft_folder(shipped):
+            return load_folder(shipped, target)
         spec = f"self:{DEFAULT_SELF_LAYERS}"
     if spec.startswith("self:"):
         try:

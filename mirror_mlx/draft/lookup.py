@@ -68,6 +68,10 @@ class LookupDrafter:
         self.vocab_size = inner.vocab_size
         self.context = inner.context
         self.compute = getattr(inner, "compute", "unknown")
+        self.feature_layers = inner.feature_layers
+        # The target's features of jobs answered from the context alone, for the inner
+        # drafter's next job (a draft that reads features needs them all, in order).
+        self._features: list = []
         # The main line of the last compacting job whose main sequence was copied: the inner
         # drafter has not seen it, and must compact to it before its next job.
         self._main: list[int] | None = None
@@ -85,18 +89,21 @@ class LookupDrafter:
             if found[0] is not None:
                 self._main = list(job.sequences[0])
         if not ask:
+            self._features += job.features
             done: Future[JobResult] = Future()
             done.set_result(JobResult([copies[i] for i in range(len(found))], start,
                                       time.perf_counter(), job.label, extra={"lookup": True}))
             return done
+        features, self._features = self._features + job.features, []
         inner = replace(job, sequences=[job.sequences[i] for i in ask],
-                        compact=job.compact and found[0] is None)
+                        compact=job.compact and found[0] is None, features=features)
         main, self._main = self._main, None
         if inner.compact or main is None:
             future = self.inner.submit(inner)
         else:
-            future = _after(self.inner.submit(Job([main], 0, label="catch-up")),
-                            self.inner.submit(inner))
+            future = _after(self.inner.submit(Job([main], 0, label="catch-up",
+                                                  features=features)),
+                            self.inner.submit(replace(inner, features=[])))
         return _merge(future, copies, ask) if copies else future
 
     def run_pending(self) -> None:

@@ -5,6 +5,13 @@ It reads the target's token embedding (shared, not stored), may be narrower than
 (an input projection bridges the widths), and may score only a subset of the vocabulary (the
 LM head dominates a small draft's cost: PLATFORM.md). A plain llama model (the target's first
 layers, or an mlx-lm / GGUF llama) converts into this form with `DraftNet.from_llama`.
+
+A feature-conditioned draft (EAGLE-3's idea; `feature_layers` set) also reads the target's own
+hidden states: token t enters as its embedding mixed with a feature vector, the target's
+outputs of `feature_layers` after token t - 1 fused into one (what the target "knew" just before
+writing t). Where the target has not run yet (the draft's own tokens), the feature is the
+draft's own last hidden state at t - 1; training unrolls the draft on its own features so that
+this holds up (train/feature.py).
 """
 
 from __future__ import annotations
@@ -41,12 +48,27 @@ class DraftConfig:
     # Speculative streaming (MIRROR_SD.md section 4): the top layer also runs this many stream
     # positions after a token, predicting the tokens 2, 3, ... ahead in the same forward.
     stream_count: int = 0
+    # Target layers whose outputs a feature-conditioned draft reads (empty: tokens only), and
+    # the target's hidden size.
+    feature_layers: list[int] = field(default_factory=list)
+    feature_size: int = 0
     shared_embedding: bool = True  # the input embedding is the target's, set at load time
     target: dict = field(default_factory=dict)  # what it was made for (name, vocab fingerprint)
 
     @property
     def head_size(self) -> int:
         return len(self.head_tokens) or self.vocab_size
+
+    @staticmethod
+    def like(args, num_layers: int, **extra) -> DraftConfig:
+        """A draft as wide as the llama model whose mlx-lm `args` are given."""
+        return DraftConfig(
+            hidden_size=args.hidden_size, num_layers=num_layers,
+            intermediate_size=args.intermediate_size, num_heads=args.num_attention_heads,
+            num_kv_heads=args.num_key_value_heads,
+            head_dim=args.head_dim or args.hidden_size // args.num_attention_heads,
+            vocab_size=args.vocab_size, embed_size=args.hidden_size,
+            rms_norm_eps=args.rms_norm_eps, rope_theta=args.rope_theta, **extra)
 
 
 def rope(x: mx.array, positions: mx.array | int, base: float) -> mx.array:
@@ -117,6 +139,15 @@ class DraftNet(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.embed_size)
         if config.embed_size != config.hidden_size:
             self.in_proj = nn.Linear(config.embed_size, config.hidden_size, bias=False)
+        if config.feature_layers:
+            # The target's layers differ in scale by orders of magnitude: each is normed
+            # before the fusion; the draft's own features are normed likewise before mixing.
+            self.feature_norms = [nn.RMSNorm(config.feature_size, eps=config.rms_norm_eps)
+                                  for _ in config.feature_layers]
+            self.fuse = nn.Linear(len(config.feature_layers) * config.feature_size,
+                                  config.hidden_size, bias=False)
+            self.feature_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+            self.mix = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.layers = [Block(config) for _ in range(config.num_layers)]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if not config.tie_head:
@@ -131,16 +162,37 @@ class DraftNet(nn.Module):
     def head_ids(self) -> mx.array:
         return self._head_ids
 
-    def hidden(self, tokens: mx.array, positions: mx.array | int, mask, cache=None) -> mx.array:
-        """Final-normed hidden states (B, T, hidden). `mask`: None, "causal", or a boolean
-        (B or 1, 1, T, cached + T) array, True where a token may attend."""
-        return self.norm(self._through(tokens, positions, mask, cache, len(self.layers)))
+    @property
+    def reads_features(self) -> bool:
+        return bool(self.config.feature_layers)
 
-    def _through(self, tokens: mx.array, positions, mask, cache, layers: int) -> mx.array:
+    def fused(self, target_features: list[mx.array]) -> mx.array:
+        """The feature vectors (..., hidden) of the target's outputs at `feature_layers`."""
+        return self.fuse(mx.concatenate(
+            [n(f) for n, f in zip(self.feature_norms, target_features)], axis=-1))
+
+    def hidden(self, tokens: mx.array, positions: mx.array | int, mask, cache=None,
+               features: mx.array | None = None) -> mx.array:
+        """Final-normed hidden states (B, T, hidden). `mask`: None, "causal", or a boolean
+        (B or 1, 1, T, cached + T) array, True where a token may attend. `features` (B, T,
+        hidden): a feature-conditioned draft's feature for each token (see `fused`)."""
+        return self.norm(self.top(tokens, positions, mask, cache, features))
+
+    def top(self, tokens: mx.array, positions: mx.array | int, mask, cache=None,
+            features: mx.array | None = None) -> mx.array:
+        """The last layer's output before the final norm: what a feature-conditioned draft
+        feeds itself as the next token's feature."""
+        return self._through(tokens, positions, mask, cache, len(self.layers), features)
+
+    def _through(self, tokens: mx.array, positions, mask, cache, layers: int,
+                 features: mx.array | None = None) -> mx.array:
         """Embed `tokens` and run the first `layers` layers (no final norm)."""
         h = self.embed_tokens(tokens)
         if "in_proj" in self:
             h = self.in_proj(h)
+        if self.reads_features:
+            h = self.mix(mx.concatenate([self.feature_norm(features), h.astype(features.dtype)],
+                                        axis=-1))
         for i, layer in enumerate(self.layers[:layers]):
             h = layer(h, positions, mask, cache[i] if cache is not None else None)
         return h
@@ -190,8 +242,8 @@ class DraftNet(nn.Module):
             return self.embed_tokens.as_linear(h)
         return self.head(h)
 
-    def __call__(self, tokens, positions=0, mask="causal", cache=None) -> mx.array:
-        return self.logits(self.hidden(tokens, positions, mask, cache))
+    def __call__(self, tokens, positions=0, mask="causal", cache=None, features=None) -> mx.array:
+        return self.logits(self.hidden(tokens, positions, mask, cache, features))
 
     # -- conversion, saving and loading --
 
@@ -203,15 +255,7 @@ class DraftNet(nn.Module):
         args = model.args
         n = num_layers or len(model.layers)
         tied = not hasattr(model, "lm_head")
-        config = DraftConfig(
-            hidden_size=args.hidden_size, num_layers=n,
-            intermediate_size=args.intermediate_size, num_heads=args.num_attention_heads,
-            num_kv_heads=args.num_key_value_heads,
-            head_dim=args.head_dim or args.hidden_size // args.num_attention_heads,
-            vocab_size=args.vocab_size, embed_size=args.hidden_size,
-            rms_norm_eps=args.rms_norm_eps, rope_theta=args.rope_theta, tie_head=tied,
-            target=target_info or {},
-        )
+        config = DraftConfig.like(args, n, tie_head=tied, target=target_info or {})
         if getattr(args, "rope_scaling", None) or getattr(args, "rope_traditional", False):
             raise ModelLoadError("drafts with rope scaling or traditional rope are not supported")
         net = DraftNet(config)

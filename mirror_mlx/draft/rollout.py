@@ -11,6 +11,15 @@ A job that compacts (the first of each decoding step) makes its first sequence t
 the deepest prefix of it that the cache holds (the trunk, possibly continued along a branch the
 previous step rolled out, whose slots are gathered into place) becomes the trunk, and the
 other branches are forgotten. Other jobs only add branches.
+
+A draft that reads the target's features (draft/net.py) feeds each token with one of: the
+target's features after the token before it (where the target has computed them: `Features`
+of the jobs), or else the draft's own last hidden state at the slot before it. Each slot
+remembers whether it was fed the target's features (`exact`); when a compacting job brings
+the target's features for main-line tokens that were fed the draft's own (accepted drafts), the
+cache is cut before the first of them and they are fed again, as EAGLE does, so that the draft
+reads the committed text as the target saw it. They are fed in the job's first forward, beside
+its first drafted position: the refresh costs no forward of its own.
 """
 
 from __future__ import annotations
@@ -23,9 +32,24 @@ import mlx.core as mx
 import numpy as np
 
 from ..decode.sampling import distribution
-from .base import Job, JobResult, Rollout
+from .base import Features, Job, JobResult, Rollout
 
 PREFILL_CHUNK = 512
+# A compacting job's missing main-line tokens up to this many are fed by its first rollout
+# forward, not by a forward of their own.
+MERGE_FEED = 64
+
+# Where a token's feature comes from (a draft that reads features): nothing (the first token),
+# the target (a row of `FeatureRefs.target`), the draft's own output at a slot (`ref`), or the
+# feature a slot was fed before (`ref`: feeding it again where the target's is not known).
+ZERO, TARGET, OWN, FED = 0, 1, 2, 3
+
+
+@dataclass
+class FeatureRefs:
+    kinds: list[int]
+    refs: list[int]  # a row of `target` (TARGET) or a slot (OWN, FED)
+    target: list[np.ndarray]  # the target's feature rows the TARGET tokens read
 
 
 class Executor(Protocol):
@@ -34,6 +58,7 @@ class Executor(Protocol):
     vocab_size: int
     head_ids: np.ndarray  # head index -> token id
     streams: int  # tokens each forward predicts beyond the next one (speculative streaming)
+    reads_features: bool  # a feature-conditioned draft: `forward` takes FeatureRefs
 
     def truncate(self, size: int) -> None:
         """Keep slots [0, size)."""
@@ -42,12 +67,13 @@ class Executor(Protocol):
         """Move the given slots to [dst, dst + len(slots)); the cache then ends there."""
 
     def forward(self, tokens: list[int], positions: list[int] | int, mask: np.ndarray | None,
-                rows: list[int]) -> np.ndarray:
+                rows: list[int], features: FeatureRefs | None = None) -> np.ndarray:
         """Append `tokens` at the cache's end; return float32 logits (len(rows), 1 + streams,
         head size) for the listed token rows: the next token, then (with speculative
         streaming) the ones after it. `positions`: one per token, or an int (contiguous).
         `mask`: bool (len(tokens), cache size after the append), True = may attend; None =
-        causal over the whole cache."""
+        causal over the whole cache. `features`: each token's feature (a draft that reads
+        features); a token may read the own output of one fed before it in the same call."""
 
 
 def common_prefix(a, b) -> int:
@@ -72,6 +98,45 @@ class TreeState:
     trunk: list[int] = field(default_factory=list)
     paths: list[Path] = field(default_factory=list)
     size: int = 0  # slots in use
+    exact: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # per slot (features)
+    settled: int = 0  # leading trunk slots known to be exact
+    stale: dict[int, int] = field(default_factory=dict)  # main position -> slot it was fed at
+    # The target's features after positions of `line` (rows where `have`), from the jobs.
+    line: list[int] = field(default_factory=list)
+    rows: np.ndarray | None = None
+    have: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+
+    def learn(self, f: Features) -> None:
+        keep = min(common_prefix(self.line, f.line), f.start, len(self.have))
+        end = f.start + len(f.rows)
+        if self.rows is None or len(self.rows) < end:
+            grown = np.zeros((max(end, 2 * len(self.have)), f.rows.shape[1]), np.float32)
+            if self.rows is not None:
+                grown[: len(self.rows)] = self.rows
+            self.rows = grown
+            have = np.zeros(len(grown), bool)
+            have[: len(self.have)] = self.have
+            self.have = have
+        self.have[keep:] = False
+        self.rows[f.start : end] = f.rows
+        self.have[f.start : end] = True
+        self.line = list(f.line)
+
+    def mark(self, at: int, kinds: list[int]) -> None:
+        """Slots from `at` were just fed tokens whose features came from `kinds`."""
+        end = at + len(kinds)
+        if len(self.exact) < end:
+            grown = np.zeros(max(end, 2 * len(self.exact)), bool)
+            grown[: len(self.exact)] = self.exact
+            self.exact = grown
+        self.exact[at:end] = np.isin(kinds, (TARGET, ZERO))
+
+    def target_row(self, seq: list[int], p: int, agree: int) -> np.ndarray | None:
+        """The target's features after position p of `seq` (which agrees with `line` on its
+        first `agree` tokens), if known."""
+        if 0 <= p < min(agree, len(self.have)) and self.have[p]:
+            return self.rows[p]
+        return None
 
     def deepest(self, seq: list[int]) -> tuple[int, Path | None, int]:
         """Longest prefix of `seq` in the cache: (length, branch it runs along, tokens of it)."""
@@ -86,15 +151,57 @@ class TreeState:
 
 
 def _compact(main: list[int], ex: Executor, state: TreeState) -> int:
-    """Make the cached prefix of `main` the trunk; returns its length."""
+    """Make the cached prefix of `main` the trunk; returns its length. A draft that reads
+    features keeps it only up to the first token that is to be fed again (see above)."""
     depth, via, used = state.deepest(main)
     keep = depth - used
-    if via is not None:
+    state.stale = {}
+    if ex.reads_features:
+        def slot(p: int) -> int:
+            return p if p < keep else via.slots[p - keep]
+
+        agree = common_prefix(main, state.line)
+        for p in range(max(1, min(state.settled, keep)), depth):
+            if not state.exact[slot(p)] and state.target_row(main, p - 1, agree) is not None:
+                state.stale = {q: slot(q) for q in range(p, depth)}
+                depth, used, keep = p, max(0, p - keep), min(keep, p)
+                break
+    if via is not None and used:
         ex.gather(keep, via.slots[:used])
+        if ex.reads_features:
+            state.mark(keep, [TARGET if e else OWN for e in state.exact[via.slots[:used]]])
     else:
         ex.truncate(keep)
     state.trunk, state.paths, state.size = main[:depth], [], depth
+    state.settled = min(state.settled, depth)
+    while ex.reads_features and state.settled < depth and state.exact[state.settled]:
+        state.settled += 1
     return depth
+
+
+def _refs(seq: list[int], start: int, stop: int, state: TreeState, agree: int, first: int,
+          slot0: int, stale=None) -> FeatureRefs:
+    """Features of seq's tokens at positions [start, stop), fed into slots slot0, slot0 + 1,
+    ...: the target's where known, else the draft's own output at the slot holding the token
+    before (`first` for the one before `start`), or, with `stale` (position -> slot or None),
+    what the token's earlier slot was fed."""
+    refs = FeatureRefs([], [], [])
+    for p in range(start, stop):
+        row = state.target_row(seq, p - 1, agree)
+        if row is not None:
+            refs.kinds.append(TARGET)
+            refs.refs.append(len(refs.target))
+            refs.target.append(row)
+        elif p == 0:
+            refs.kinds.append(ZERO)
+            refs.refs.append(0)
+        elif stale is not None and stale(p) is not None:
+            refs.kinds.append(FED)
+            refs.refs.append(stale(p))
+        else:
+            refs.kinds.append(OWN)
+            refs.refs.append(first if p == start else slot0 + p - start - 1)
+    return refs
 
 
 def run_job(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
@@ -103,7 +210,7 @@ def run_job(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
         return _run(job, ex, state, rng, top_k)
     except BaseException:
         # The cache may be half-updated: forget it; the next job prefills afresh.
-        state.trunk, state.paths, state.size = [], [], 0
+        state.trunk, state.paths, state.size, state.settled = [], [], 0, 0
         ex.truncate(0)
         raise
 
@@ -119,19 +226,28 @@ def _run(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
     caps = [len(s) - 1 for s in seqs]
     fed = 0
     reused = 0
+    for f in job.features:
+        state.learn(f)
     if job.compact:
         reused = _compact(seqs[0][: caps[0]], ex, state)
         # Extend the trunk with what every sequence shares.
         shared = min(caps)
         for s in seqs[1:]:
             shared = min(shared, common_prefix(seqs[0], s))
-        if shared > len(state.trunk):
-            ext = seqs[0][len(state.trunk) : shared]
-            for at in range(0, len(ext), PREFILL_CHUNK):
-                ex.forward(ext[at : at + PREFILL_CHUNK], len(state.trunk) + at, None, [])
-            state.trunk = seqs[0][:shared]
+        missing = shared - len(state.trunk)
+        if missing > 0 and (job.n == 0 or len(seqs) > 1 or missing > MERGE_FEED):
+            main = seqs[0]
+            agree = common_prefix(main, state.line)
+            for at in range(len(state.trunk), shared, PREFILL_CHUNK):
+                end = min(at + PREFILL_CHUNK, shared)
+                refs = _refs(main, at, end, state, agree, at - 1, at, state.stale.get) \
+                    if ex.reads_features else None
+                ex.forward(main[at:end], at, None, [], refs)
+                if refs is not None:
+                    state.mark(at, refs.kinds)
+            fed += missing
+            state.trunk = main[:shared]
             state.size = shared
-            fed += len(ext)
     if job.n == 0:
         return JobResult([], start, time.perf_counter(), job.label, fed_tokens=fed,
                          reused_tokens=reused)
@@ -148,13 +264,31 @@ def _run(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
     drafted: list[list[int]] = [[] for _ in seqs]
     tops, top_probs, qs = [[] for _ in seqs], [[] for _ in seqs], [[] for _ in seqs]
     forwards = 0
+    sure = [1.0] * len(seqs)  # the draft's chance that each rollout is accepted so far
+    ended = [False] * len(seqs)
     # With speculative streaming a forward drafts 1 + streams tokens per branch.
     for _ in range(-(-job.n // (1 + ex.streams))):
         if job.cancel is not None and job.cancel.is_set():
             break
+        active = [b for b in range(len(seqs)) if not ended[b]]
+        if not active:
+            break
         tokens, positions, owners = [], [], []
-        for b, toks in enumerate(feed):
-            at = branches[b].start + len(branches[b].tokens)
+        refs = FeatureRefs([], [], []) if ex.reads_features else None
+        for b in active:
+            toks = feed[b]
+            path = branches[b]
+            at = path.start + len(path.tokens)
+            if refs is not None:
+                full = seqs[b] + drafted[b]
+                mine = _refs(full, at, at + len(toks), state, common_prefix(full, state.line),
+                             path.slots[-1] if path.tokens else path.start - 1,
+                             state.size + len(tokens),
+                             state.stale.get if b == 0 and job.compact else None)
+                refs.kinds += mine.kinds
+                refs.refs += [r + len(refs.target) if k == TARGET else r
+                              for k, r in zip(mine.kinds, mine.refs)]
+                refs.target += mine.target
             tokens += toks
             positions += range(at, at + len(toks))
             owners += [b] * len(toks)
@@ -169,16 +303,25 @@ def _run(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
             mask[i, path.slots] = True
             if i + 1 == len(owners) or owners[i + 1] != b:
                 rows.append(i)
-        logits = ex.forward(tokens, positions, mask, rows)
+        logits = ex.forward(tokens, positions, mask, rows, refs)
+        if refs is not None:
+            state.mark(state.size, refs.kinds)
+        state.stale = {}
         forwards += 1
         fed += len(tokens)
         state.size = new_size
-        take = min(logits.shape[1], job.n - len(drafted[0]))
+        take = min(logits.shape[1], job.n - len(drafted[active[0]]))
         chosen = _choose(logits[:, :take].reshape(-1, logits.shape[-1]), ex.head_ids,
                          ex.vocab_size, job, rng, top_k)
         feed = [[] for _ in seqs]
-        for i, (token, ids, probs, q) in enumerate(chosen):
-            b = i // take
+        for i, (token, ids, probs, q, p) in enumerate(chosen):
+            b = active[i // take]
+            if ended[b]:
+                continue
+            sure[b] *= p
+            if sure[b] < job.min_confidence:
+                ended[b] = True  # this token, and any after it, is not worth verifying
+                continue
             drafted[b].append(token)
             feed[b].append(token)
             tops[b].append(ids)
@@ -187,8 +330,9 @@ def _run(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
                 qs[b].append(q)
     state.paths += [b for b in branches if b.tokens]
     rollouts = [
-        Rollout(drafted[b], np.array(tops[b]), np.array(top_probs[b]),
-                np.stack(qs[b]) if qs[b] else None)
+        Rollout(drafted[b], np.array(tops[b]) if tops[b] else np.zeros((0, top_k), np.int64),
+                np.array(top_probs[b]) if tops[b] else np.zeros((0, top_k), np.float32),
+                np.stack(qs[b]) if qs[b] else None, ended[b])
         for b in range(len(seqs))
     ]
     return JobResult(rollouts, start, time.perf_counter(), job.label, fed_tokens=fed,
@@ -196,7 +340,9 @@ def _run(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
 
 
 def _choose(logits: np.ndarray, head_ids: np.ndarray, vocab: int, job: Job, rng, top_k: int):
-    """Per row: (token, top-k token ids, their probabilities, full-vocabulary q or None)."""
+    """Per row: (token, top-k token ids, their probabilities, full-vocabulary q or None, the
+    draft's confidence: its best token's probability. Never the drawn token's: stopping on
+    that would draw from q cut to its likely tokens while verification divides by q.)"""
     if job.sampling is None:
         z = logits - logits.max(axis=-1, keepdims=True)
         p = np.exp(z)
@@ -210,12 +356,12 @@ def _choose(logits: np.ndarray, head_ids: np.ndarray, vocab: int, job: Job, rng,
         idx = idx[np.argsort(-row[idx])]
         ids = head_ids[idx]
         if job.sampling is None:
-            out.append((int(ids[0]), ids, row[idx], None))
+            out.append((int(ids[0]), ids, row[idx], None, float(row[idx[0]])))
             continue
         cdf = np.cumsum(row, dtype=np.float64)
         pick = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")),
                    len(row) - 1)
         q = np.zeros(vocab, dtype=np.float32)
         q[head_ids] = row
-        out.append((int(head_ids[pick]), ids, row[idx], q))
+        out.append((int(head_ids[pick]), ids, row[idx], q, float(row[idx[0]])))
     return out

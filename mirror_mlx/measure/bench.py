@@ -39,6 +39,7 @@ from .stats import GenerationStats
 
 MODES = ("ar", "sd", "mirror", "mlx-lm", "mlx-lm-sd")
 TIMELINE_MODE = "mirror"
+MLX_LM_GAMMA = 5  # mlx-lm's draft length where ours adapts
 
 
 @dataclass
@@ -47,7 +48,7 @@ class BenchConfig:
     max_tokens: int = 128
     temperature: float = 0.0
     repeats: int = 1
-    gamma: int = 5
+    gamma: int | None = None  # None: adaptive (sd, mirror); mlx-lm-sd then drafts MLX_LM_GAMMA
     seed: int = 0
     draft: str | None = None  # draft spec (draft/load.py); None: the default draft
     lookup: bool = True  # sd and mirror also draft by copying from the context (draft/lookup.py)
@@ -64,7 +65,7 @@ class BenchConfig:
             raise InvalidParameter(f"--modes takes distinct modes from {', '.join(MODES)} "
                                    f"(got {','.join(self.modes) or 'none'})")
         for name, value, low in (("max-tokens", self.max_tokens, 1), ("repeats", self.repeats, 1),
-                                 ("gamma", self.gamma, 1)):
+                                 ("gamma", self.gamma or 1, 1)):
             if value < low:
                 raise InvalidParameter(f"--{name} must be at least {low} (got {value})")
         if self.energy_seconds < 0:
@@ -133,7 +134,8 @@ class _Mode:
         if self.engine is None:
             stats = GenerationStats(mode=self.name)
             yield from mlx_lm_steps(self.target, self.wrapper, ids, max_tokens, temperature,
-                                    seed, self.mlx_draft, self.config.gamma, stats)
+                                    seed, self.mlx_draft, self.config.gamma or MLX_LM_GAMMA,
+                                    stats)
             return stats
         session = self.engine.session
         session.reset()  # no KV cache carried over: every mode prefills the whole prompt
@@ -170,7 +172,10 @@ def _open_modes(target: LoadedModel, config: BenchConfig) -> tuple[Engine, dict[
             elif name == "mlx-lm":
                 modes[name] = _Mode(name, target, config)
             else:
-                draft = MLXLMDraft(load_draft(config.draft, target))
+                net = load_draft(config.draft, target)
+                if net.reads_features:  # mlx-lm cannot feed it the target's features
+                    net = load_draft("default-tokens", target)
+                draft = MLXLMDraft(net)
                 modes[name] = _Mode(name, target, config, mlx_draft=draft)
     except BaseException:
         for m in modes.values():
@@ -185,7 +190,8 @@ def _describe_draft(net: DraftNet | None, config: BenchConfig) -> dict:
         return {}
     c = net.config
     return {"spec": config.draft or "default", "layers": c.num_layers,
-            "hidden_size": c.hidden_size, "head_size": c.head_size, "gamma": config.gamma,
+            "hidden_size": c.hidden_size, "head_size": c.head_size,
+            "gamma": config.gamma or "auto", "reads_features": c.feature_layers,
             "lookup": config.lookup}
 
 
@@ -255,7 +261,7 @@ def _check_units(target: LoadedModel, net: DraftNet | None, config: BenchConfig)
     units = {"separate_units": config.separate_units,
              "blas_threads": 1 if config.separate_units else os.cpu_count()}
     if net is not None:
-        units |= measure_contention(target, net, config.gamma + 1)
+        units |= measure_contention(target, net, (config.gamma or MLX_LM_GAMMA) + 1)
     return units
 
 

@@ -47,13 +47,17 @@ def measure_contention(target: LoadedModel, net: DraftNet, window: int = 6,
 
     stop = threading.Event()
     draft_times: list[float] = []
+    # A draft that reads features costs the same whatever they hold.
+    features = mx.zeros((1, window, net.config.hidden_size)) if net.reads_features else None
+    mx.eval(features)  # made here, used on the draft's stream: see ExitHead.load
 
     def draft_loop() -> None:
         # A stream belongs to the thread that makes it (PLATFORM.md), as in MLXDrafter.
         with mx.stream(mx.new_stream(mx.default_device())):
             while not stop.is_set():
                 start = time.perf_counter()
-                mx.eval(net(tokens[:, :window]))  # a batched rollout forward's size
+                # A batched rollout forward's size.
+                mx.eval(net(tokens[:, :window], features=features))
                 draft_times.append(time.perf_counter() - start)
 
     alone = median_ms(verify, n)

@@ -111,7 +111,19 @@ def summarize(result: BenchResult) -> dict:
     return {"overall": _group(result.runs, metrics, lambda r: r.mode),
             "per_category": per_category, "per_prompt": prompts,
             "greedy_agreement": greedy_agreement(result), "energy": energy_summary(result),
-            "units": result.units, "schedule": schedule_summary(result)}
+            "units": result.units, "schedule": schedule_summary(result),
+            "draft_lengths": length_summary(result)}
+
+
+def length_summary(result: BenchResult) -> dict:
+    """Per speculative mode, its steps by the number of drafted tokens they verified (where
+    the length adapts)."""
+    out: dict = {}
+    for r in result.runs:
+        for n, count in r.stats.draft_lengths.items():
+            modes = out.setdefault(r.mode, {})
+            modes[int(n)] = modes.get(int(n), 0) + count
+    return {mode: dict(sorted(v.items())) for mode, v in out.items()}
 
 
 def schedule_summary(result: BenchResult) -> dict:
@@ -259,6 +271,14 @@ def markdown(doc: dict, plots: dict[str, str]) -> str:
         lines.append("- Mirror-SD steps per plan: " + ", ".join(
             f"{k} {v}" for k, v in sorted(sched["plan_steps"].items())))
         lines.append(f"- Its scheduler at the end: {sched['last']}")
+    if s.get("draft_lengths"):
+        lines += ["", "## Draft lengths (adaptive)", "",
+                  "Target steps by the number of drafted tokens they verified:", ""]
+        for mode, counts in s["draft_lengths"].items():
+            total = sum(counts.values())
+            mean = sum(n * c for n, c in counts.items()) / max(total, 1)
+            lines.append(f"- {LABELS[mode]}: mean {mean:.2f}; " + ", ".join(
+                f"{n}: {c}" for n, c in counts.items()))
     e = s["energy"]
     lines += ["", "## Energy", "", f"Meter: {e['backend']} — {e['note']}.", ""]
     if "idle" in e:

@@ -28,6 +28,7 @@ class GenerationStats:
     exit_positions: int = 0  # verified window positions whose target token is known ...
     exit_covered: int = 0  # ... and of those, how many the early exit had in its top-kappa
     plan_steps: dict[str, int] = field(default_factory=dict)  # Mirror-SD steps per plan
+    draft_lengths: dict[int, int] = field(default_factory=dict)  # steps by tokens verified (auto)
     schedule: str = ""  # Mirror-SD: the plan the scheduler prefers now, and why
     time_s: dict[str, float] = field(default_factory=dict)  # target_prefix, draft, wait, ...
     overlap_fraction: float = 0.0  # share of draft time hidden under target compute
@@ -92,6 +93,9 @@ class GenerationStats:
         if self.mode != "ar":
             parts.append(f"{self.acceptance_length:.2f} tok/step")
             parts.append(f"acceptance {self.acceptance_rate:.0%}")
+            if self.draft_lengths:
+                parts.append("tokens verified per step: " + ", ".join(
+                    f"{k}×{v}" for k, v in sorted(self.draft_lengths.items())))
         if self.mode == "mirror":
             parts.append(f"reuse {self.reuse_rate:.0%}")
             parts.append(f"overlap {self.overlap_fraction:.0%}")

@@ -8,7 +8,7 @@ head (a tuned lens: one linear map), then the shared final norm and LM head.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
@@ -35,22 +35,38 @@ def check_splittable(model: nn.Module) -> None:
 
 @dataclass
 class Pass:
-    """One verification forward in progress: hidden state, mask and where it stands."""
+    """One verification forward in progress: hidden state, mask and where it stands.
+    `taps`: after how many layers to keep the hidden state (a feature-conditioned draft's
+    `feature_layers`), kept in `features` in that order."""
 
     h: mx.array
     mask: object
     cache: list
+    taps: tuple[int, ...] = ()
+    features: list = field(default_factory=list)
 
 
-def start(model: nn.Module, tokens: mx.array, cache: list) -> Pass:
+def start(model: nn.Module, tokens: mx.array, cache: list, taps=()) -> Pass:
     h = model.model.embed_tokens(tokens)
-    return Pass(h, create_attention_mask(h, cache[0]), cache)
+    return Pass(h, create_attention_mask(h, cache[0]), cache, tuple(taps))
 
 
 def run_layers(model: nn.Module, p: Pass, begin: int, end: int) -> mx.array:
-    for layer, c in zip(model.model.layers[begin:end], p.cache[begin:end]):
+    for i, (layer, c) in enumerate(zip(model.model.layers[begin:end], p.cache[begin:end])):
         p.h = layer(p.h, p.mask, cache=c)
+        if begin + i + 1 in p.taps:
+            p.features.append(p.h)
     return p.h
+
+
+def forward(model: nn.Module, tokens: mx.array, cache: list, taps=()
+            ) -> tuple[mx.array, list[mx.array]]:
+    """The target's whole forward (what `model(tokens, cache=cache)` computes, logits (B, T,
+    V)), plus its hidden states after the layers in `taps`: one pass serves verification and
+    the draft's features."""
+    p = start(model, tokens, cache, taps)
+    run_layers(model, p, 0, len(model.model.layers))
+    return final_logits(model, p.h), p.features
 
 
 def lm_head(model: nn.Module, h: mx.array) -> mx.array:

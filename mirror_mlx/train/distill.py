@@ -26,6 +26,7 @@ from ..draft.net import DraftConfig, DraftNet
 from ..errors import InvalidParameter
 from ..models.load import LoadedModel
 from ..progress import Progress
+from . import feature
 
 
 @dataclass
@@ -44,6 +45,11 @@ class TrainConfig:
     # starting from the target's layers: distillation then spans runs on fresh data (another
     # seed), each as long as a session allows. Its layers, head and streams are kept.
     init: str | None = None
+    # A feature-conditioned draft (draft/net.py): the target layers it reads ("auto": a low, a
+    # middle and a late one), and the passes of its training-time test (train/feature.py).
+    features: list[int] | None = None
+    unroll: int = 3
+    minutes: float | None = None  # stop training (and save) after this long
 
 
 @dataclass
@@ -93,14 +99,8 @@ def init_draft(target: LoadedModel, layers: int, head_tokens: list[int],
                streams: int = 0) -> DraftNet:
     """The target's first `layers` layers, final norm and (restricted) tied head, as copies."""
     args = target.model.args
-    config = DraftConfig(
-        hidden_size=args.hidden_size, num_layers=layers,
-        intermediate_size=args.intermediate_size, num_heads=args.num_attention_heads,
-        num_kv_heads=args.num_key_value_heads,
-        head_dim=args.head_dim or args.hidden_size // args.num_attention_heads,
-        vocab_size=args.vocab_size, embed_size=args.hidden_size, rms_norm_eps=args.rms_norm_eps,
-        rope_theta=args.rope_theta, head_tokens=head_tokens, stream_count=streams,
-        target=target_info(target))
+    config = DraftConfig.like(args, layers, head_tokens=head_tokens, stream_count=streams,
+                              target=target_info(target))
     net = DraftNet(config)
     source = DraftNet.from_llama(target.model, layers)
     weights = {k: v for k, v in tree_flatten(source.parameters())
@@ -115,11 +115,24 @@ def init_draft(target: LoadedModel, layers: int, head_tokens: list[int],
 
 
 def _batches(items: list[Example], batch: int, seq_len: int, head_index: np.ndarray,
-             rng: np.random.Generator):
+             rng: np.random.Generator, features: list[np.ndarray] | None = None):
     order = rng.permutation(len(items))
     for at in range(0, len(order) - batch + 1, batch):
-        group = [items[i] for i in order[at : at + batch]]
-        yield _collate(group, seq_len, head_index)
+        pick = order[at : at + batch]
+        x, tid, tw = _collate([items[i] for i in pick], seq_len, head_index)
+        if features is None:
+            yield x, tid, tw
+        else:
+            yield x, _stack([features[i] for i in pick], x.shape[1]), tid, tw
+
+
+def _stack(features: list[np.ndarray], length: int) -> mx.array:
+    """Features of a batch's input positions, zero-padded to `length`."""
+    out = np.zeros((len(features), length, features[0].shape[-1]), np.float16)
+    for b, f in enumerate(features):
+        n = min(len(f), length)
+        out[b, :n] = f[:n]
+    return mx.array(out)
 
 
 def _collate(group: list[Example], seq_len: int, head_index: np.ndarray):
@@ -202,10 +215,23 @@ def train_draft(target: LoadedModel, shards: list[dict], out: Path, cfg: TrainCo
                           dtype="float32")  # stored 8-bit weights are widened to train
         net.embed_tokens.freeze()
         head = list(net.config.head_tokens)
+    elif cfg.features:
+        head = head_vocabulary(shards, cfg.head_tokens, target.vocab_size)
+        net = feature.init_feature_draft(target, cfg.layers, head, cfg.features)
     else:
         head = head_vocabulary(shards, cfg.head_tokens, target.vocab_size)
         net = init_draft(target, cfg.layers, head, cfg.streams)
     head_index = head_positions(head, target.vocab_size)
+    feats = held_feats = None
+    if net.reads_features:
+        layers = net.config.feature_layers
+        progress = Progress("target features", sum(len(e.tokens) for e in items + held),
+                            unit="tok")
+        feats = feature.target_features(target, [e.tokens for e in items], layers,
+                                        progress=progress)
+        held_feats = feature.target_features(target, [e.tokens for e in held], layers,
+                                             progress=progress)
+        progress.close()
 
     steps_per_epoch = len(items) // cfg.batch
     total = max(1, int(steps_per_epoch * cfg.epochs))
@@ -216,10 +242,13 @@ def train_draft(target: LoadedModel, shards: list[dict], out: Path, cfg: TrainCo
     opt = optim.AdamW(learning_rate=schedule, weight_decay=0.01)
     ckpt = out / "checkpoint"
     step = _resume(ckpt, net, opt)
-    loss_and_grad = nn.value_and_grad(net, _loss)
+    if net.reads_features:
+        loss_and_grad = feature.nn_value_and_grad(net, cfg.unroll, _soft_ce)
+    else:
+        loss_and_grad = nn.value_and_grad(net, _loss)
 
-    def update(x, tid, tw):
-        loss, grads = loss_and_grad(net, x, tid, tw)
+    def update(*batch):
+        loss, grads = loss_and_grad(net, *batch)
         grads, _ = optim.clip_grad_norm(grads, 1.0)
         opt.update(net, grads)
         return loss
@@ -230,11 +259,11 @@ def train_draft(target: LoadedModel, shards: list[dict], out: Path, cfg: TrainCo
     ema = first = None
     started = time.perf_counter()
     while step < total:
-        for x, tid, tw in _batches(items, cfg.batch, cfg.seq_len, head_index, epoch_rng):
+        for batch in _batches(items, cfg.batch, cfg.seq_len, head_index, epoch_rng, feats):
             if done < step:  # fast-forward the data order after a resume
                 done += 1
                 continue
-            loss = update(x, tid, tw)
+            loss = update(*batch)
             mx.eval(loss, net.parameters(), opt.state)
             step += 1
             done += 1
@@ -245,11 +274,19 @@ def train_draft(target: LoadedModel, shards: list[dict], out: Path, cfg: TrainCo
                 _checkpoint(ckpt, net, opt, step)
             if step >= total:
                 break
+            if cfg.minutes and time.perf_counter() - started > 60 * cfg.minutes:
+                _checkpoint(ckpt, net, opt, step)
+                total = step  # out of time: what it has learnt so far is the draft
+                break
     progress.close()
+    if net.reads_features:
+        quality = feature.feature_agreement(net, _batches(
+            held, 1, cfg.seq_len, head_index, np.random.default_rng(0), held_feats), cfg.unroll)
+    else:
+        quality = agreement(net, held, head_index, cfg.seq_len)
     report = {"steps": step, "first_loss": first, "final_loss": ema,
               "train_seconds": time.perf_counter() - started,
-              "examples": len(items), "head_tokens": len(head),
-              **agreement(net, held, head_index, cfg.seq_len)}
+              "examples": len(items), "head_tokens": len(head), **quality}
     net.save(out / "draft")
     (out / "draft" / "training.json").write_text(json.dumps(
         {"config": cfg.__dict__, **report}, indent=1))

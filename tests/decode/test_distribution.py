@@ -5,18 +5,21 @@ and a deliberately wrong acceptance rule is caught by the same test.
 Small real models make the exact distribution enumerable: a 4-layer llama target and a
 different 2-layer draft over an 8-token vocabulary; three generated tokens, 512 outcomes.
 Drafts copied from the context (prompt lookup: a point-mass q) are tested the same way; in
-an 8-token vocabulary a 1-token match is found at most steps. Mirror-SD runs all its plans."""
+an 8-token vocabulary a 1-token match is found at most steps. Mirror-SD runs all its plans.
+A draft that reads the target's features runs too, with windows whose length its confidence
+sets."""
 
 import itertools
 import math
 
+from mirror_mlx.decode.length import DraftLength
 from mirror_mlx.decode.mirror import MirrorConfig, mirror
 from mirror_mlx.decode.sampling import Sampler, SamplingParams, distribution
 from mirror_mlx.decode.schedule import Scheduler
 from mirror_mlx.decode.speculative import speculative
 from mirror_mlx.draft.lookup import LookupDrafter
 from mirror_mlx.draft.mlx_draft import MLXDrafter
-from mirror_mlx.draft.net import DraftNet
+from mirror_mlx.draft.net import DraftConfig, DraftNet
 from mirror_mlx.measure.stats import GenerationStats
 
 import mlx.core as mx
@@ -45,6 +48,22 @@ def models():
     target = tiny(1, 4)
     drafter = MLXDrafter(DraftNet.from_llama(tiny(2, 2)))
     yield target, drafter
+    drafter.close()
+
+
+@pytest.fixture(scope="module")
+def feature_drafter(models):
+    """A random draft that reads the target's layers 1 and 2 (its exit layer in `mirror_sd`:
+    the branches read real features)."""
+    target = models[0]
+    mx.random.seed(3)
+    net = DraftNet(DraftConfig(hidden_size=32, num_layers=1, intermediate_size=64, num_heads=4,
+                               num_kv_heads=2, head_dim=8, vocab_size=VOCAB, embed_size=32,
+                               feature_layers=[1, 2], feature_size=32))
+    net.embed_tokens = target.model.embed_tokens
+    mx.eval(net.parameters())
+    drafter = MLXDrafter(net)
+    yield drafter
     drafter.close()
 
 
@@ -115,10 +134,22 @@ def mirror_sd(target, cache, drafter, committed, sampler, stats, **kw):
                   **kw)
 
 
+def sd_adaptive(target, cache, drafter, committed, sampler, stats, **kw):
+    length = DraftLength(longest=3)
+    length.threshold = lambda: 0.3  # windows of 0 to 3 tokens, as the draft's confidence says
+    return speculative(target, cache, drafter, committed, sampler, stats, gamma=length,
+                       limit=64, **kw)
+
+
 @pytest.mark.parametrize("lookup", [False, True], ids=["network", "lookup"])
-@pytest.mark.parametrize("decode", [sd, mirror_sd], ids=["sd", "mirror"])
-def test_sampled_sequences_follow_the_target_distribution(models, decode, lookup):
+@pytest.mark.parametrize("decode,draft", [(sd, "tokens"), (mirror_sd, "tokens"),
+                                          (sd_adaptive, "features"), (mirror_sd, "features")],
+                         ids=["sd", "mirror", "sd-adaptive-features", "mirror-features"])
+def test_sampled_sequences_follow_the_target_distribution(models, feature_drafter, decode,
+                                                          draft, lookup):
     target, drafter = models
+    if draft == "features":
+        drafter = feature_drafter
     if lookup:
         drafter = LookupDrafter(drafter, match=(2, 1))
     probs = exact(target, PARAMS)

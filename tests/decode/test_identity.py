@@ -1,6 +1,8 @@
 """Lossless, greedy: speculative and Mirror-SD output equals target-only greedy output,
-token for token, on real prompts with the real default target and the default draft, drafting
-by prompt lookup where the context allows (the default) and with the draft network only."""
+token for token, on real prompts with the real default target and the shipped drafts (the
+default, which reads the target's features, and the one that reads tokens only), with fixed and
+adaptive window lengths, drafting by prompt lookup where the context allows (the default) and
+with the draft network only."""
 
 from mirror_mlx.api import Engine
 
@@ -13,15 +15,16 @@ MAX_TOKENS = 24
 # Each configuration exercises other paths: window sizes, branch budgets and sources.
 CONFIGS = [
     dict(mode="sd", gamma=3),
-    dict(mode="sd", gamma=6),
+    dict(mode="sd"),  # the adaptive length
     dict(mode="mirror", gamma=5, kappa=8, branch_budget=4, branch_source="union"),
     dict(mode="mirror", gamma=3, kappa=4, branch_budget=2, branch_source="exit"),
-    dict(mode="mirror", gamma=6, kappa=8, branch_budget=0),
+    dict(mode="mirror", gamma=6, kappa=8, branch_budget=0, draft="default-tokens"),
+    # Exit below the draft's feature layers: the branches draft on the draft's own features.
     dict(mode="mirror", gamma=4, kappa=8, branch_budget=3, branch_source="draft",
          exit_layer=20),
-    dict(mode="sd", gamma=5, lookup=False),
-    dict(mode="mirror", gamma=5, kappa=8, branch_budget=4, lookup=False),
-    dict(mode="mirror", gamma=5),  # the automatic budget
+    dict(mode="sd", gamma=5, lookup=False, draft="default-tokens"),
+    dict(mode="mirror", kappa=8, branch_budget=4, lookup=False),
+    dict(mode="mirror"),  # the automatic budget and length
 ]
 
 

@@ -33,7 +33,8 @@ def test_every_path_taken_and_tokens_identical(target, reference):
     # A draft equal to the target is always right (early reuse); a draft of 27 of the 30
     # layers is right sometimes (branch hits at several positions, and fallbacks).
     for draft in ("self:30", "self:27"):
-        with Engine(target, mode="mirror", draft=draft, kappa=8, branch_budget=4) as engine:
+        with Engine(target, mode="mirror", draft=draft, gamma=5, kappa=8,
+                    branch_budget=4) as engine:
             for prompt, expected in reference.items():
                 engine.session.reset()
                 engine.session.timeline = []
@@ -64,7 +65,7 @@ def test_caches_consistent_across_turns(target):
 
 
 def test_draft_work_overlaps_the_target(target):
-    with Engine(target, mode="mirror", draft="self:6", branch_budget=4) as engine:
+    with Engine(target, mode="mirror", draft="self:6", gamma=5, branch_budget=4) as engine:
         engine.session.timeline = []
         stats = engine.generate(PROMPTS[0], max_tokens=24).stats
         spans = {}

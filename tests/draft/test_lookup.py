@@ -68,7 +68,8 @@ def test_the_network_catches_up_after_lookups(target, drafter):
     main = plain + first.rollouts[0].tokens + text
     copy = drafter.submit(Job([main], 4)).result()
     assert copy.extra["lookup"] and copy.rollouts[0].tokens == lookup(main, 4)
-    assert inner.trunk == plain[:-1]  # (a job's last token is fed by its rollout)
+    # The cache holds the prompt and the drafts fed after it (not the last, never fed).
+    assert inner.deepest(main)[0] == len(plain) + 3
 
     # Branches beside that step go to the network, which first compacts to the main line.
     branches = [main[:-2] + [100], main[:-1] + [200]]

@@ -9,6 +9,7 @@ from mirror_mlx.draft.net import DraftNet
 from mirror_mlx.models import split
 from mirror_mlx.train.data import generate_data, load_data
 from mirror_mlx.train.distill import TrainConfig, train_draft
+from mirror_mlx.train.feature import default_feature_layers
 
 import pytest
 
@@ -81,6 +82,24 @@ def test_speculative_streams_train_and_draft_several_tokens_per_forward(samples,
     with Engine(target, mode="sd", draft=str(folder), gamma=5) as engine:
         got = engine.generate("Name two oceans.", max_tokens=16).token_ids
     assert got == Engine(target).generate("Name two oceans.", max_tokens=16).token_ids
+
+
+def test_a_feature_draft_trains_with_its_own_features_and_decodes_losslessly(samples, target):
+    out, shards = samples
+    layers = default_feature_layers(target.num_layers)
+    cfg = TrainConfig(layers=1, head_tokens=1024, seq_len=96, batch=4, epochs=2, lr=2e-3,
+                      warmup=2, holdout=0.1, features=layers, unroll=2)
+    report = train_draft(target, shards, out / "features", cfg)
+    assert report["final_loss"] < report["first_loss"]
+    assert len(report["top1_agreement_by_pass"]) == 2  # the target's features, then its own
+    folder = out / "features" / "draft"
+    net = load_draft(str(folder), target)
+    assert net.reads_features and net.config.feature_layers == layers
+    with Engine(target, mode="sd", draft=str(folder)) as engine:  # adaptive length
+        result = engine.generate("Name two oceans.", max_tokens=16)
+    assert result.token_ids == Engine(target).generate("Name two oceans.",
+                                                       max_tokens=16).token_ids
+    assert sum(result.stats.draft_lengths.values()) == result.stats.target_steps
 
 
 def test_distill_exit_keeps_the_shallowest_layer_that_reaches_the_goal(samples, target, capsys):

@@ -1,0 +1,63 @@
+"""Adaptive draft length (`--gamma auto`): how many tokens a step drafts.
+
+Drafting token k of a window costs a draft forward c_d and makes verification longer by c_v;
+it pays only if the window survives to it, with probability a_k (the product of the draft's
+confidences in tokens 1..k, which a distilled draft roughly calibrates). Worth it while
+a_k * t_1 > c_d + c_v, t_1 being a target step over one token (what target-only decoding pays
+per token). Every token drafted under that rule is expected to earn more than it costs, so a
+step never costs more than target-only decoding for what it is expected to commit; when even
+the first token fails the rule, the step verifies nothing and is a target-only step. Copies
+from the context (prompt lookup) cost no drafting and take the longest window.
+
+The costs are measured as decoding goes (moving averages), so the rule follows the hardware:
+a draft on its own unit (c_d hidden) drafts long windows, one that shares the target's cores
+short ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+LONGEST = 10  # the longest window: verification stops being nearly free beyond it on a CPU
+FIRST_THRESHOLD = 0.1  # before anything is measured: a draft at ~5% of a step, c_v about as much
+EMA = 0.1
+
+
+@dataclass
+class DraftLength:
+    longest: int = LONGEST
+    draft_s: float = 0.0  # seconds per draft forward (a job's work over its forwards)
+    target_s: dict[int, float] = field(default_factory=dict)  # step seconds by window drafts
+    chosen: dict[int, int] = field(default_factory=dict)  # windows verified, by length
+
+    def threshold(self) -> float:
+        """The least confidence a_k at which drafting token k still pays."""
+        if not self.draft_s or not self.target_s:
+            return FIRST_THRESHOLD
+        t1, slope = self._fit()
+        return min(0.95, max(0.0, (self.draft_s + slope) / t1))
+
+    def _fit(self) -> tuple[float, float]:
+        """(t_1, c_v): a target step over one token, and what each drafted token adds."""
+        lengths = sorted(self.target_s)
+        times = [self.target_s[n] for n in lengths]
+        if len(lengths) == 1:
+            slope = 0.01 * times[0]  # the little a CPU's verification adds per token
+        else:
+            mean_n = sum(lengths) / len(lengths)
+            mean_t = sum(times) / len(times)
+            cov = sum((n - mean_n) * (t - mean_t) for n, t in zip(lengths, times))
+            var = sum((n - mean_n) ** 2 for n in lengths)
+            slope = max(0.0, cov / var)
+        t1 = max(1e-6, sum(times) / len(times) - slope * (sum(lengths) / len(lengths)))
+        return t1, slope
+
+    def record_draft(self, seconds: float, forwards: int) -> None:
+        if forwards:
+            per = seconds / forwards
+            self.draft_s = per if not self.draft_s else (1 - EMA) * self.draft_s + EMA * per
+
+    def record_target(self, seconds: float, drafted: int) -> None:
+        old = self.target_s.get(drafted)
+        self.target_s[drafted] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        self.chosen[drafted] = self.chosen.get(drafted, 0) + 1
