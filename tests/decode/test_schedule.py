@@ -6,7 +6,7 @@ import argparse
 import itertools
 
 from mirror_mlx.api import Engine
-from mirror_mlx.cli import _budget
+from mirror_mlx.cli import _auto_or_int
 from mirror_mlx.decode.schedule import (
     FIRST_PROBE,
     PROBE_STEPS,
@@ -94,9 +94,9 @@ def test_what_the_hardware_suggests(target):
 
 
 def test_budget_argument():
-    assert _budget("auto") is None and _budget("3") == 3
+    assert _auto_or_int("auto") is None and _auto_or_int("3") == 3
     with pytest.raises(argparse.ArgumentTypeError):
-        _budget("many")
+        _auto_or_int("many")
 
 
 def test_a_host_that_shares_compute_gets_the_serial_schedule(target):
