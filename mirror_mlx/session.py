@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from .decode.autoregressive import autoregressive
@@ -221,13 +220,12 @@ class Session:
             chunk = todo[at : at + PREFILL_CHUNK]
             _, feats = split.forward(self.target.model, mx.array(chunk)[None], self.cache, taps)
             states = [c.state for c in self.cache]
-            rows = mx.concatenate(feats, axis=-1)[0].astype(mx.float32) if taps else None
-            mx.async_eval(states, rows) if taps else mx.async_eval(states)
+            mx.async_eval(states, feats)
             if self.drafter is not None:  # an inline drafter prefills now, beside the target
                 self.drafter.run_pending()
             mx.eval(states)
             if taps:
-                features.append(Features(prompt, keep + at, np.array(rows)))
+                features.append(Features.of(prompt, keep + at, feats))
             self.tokens.extend(chunk)
             if on_prefill:
                 on_prefill(keep + at + len(chunk), len(prompt) - 1)

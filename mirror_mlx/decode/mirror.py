@@ -138,8 +138,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             split.run_layers(model, p, 0, exit_layer)
             seen = []  # the window's features at the exit, for the branches
             if taps and len(p.features) == len(taps):
-                rows = mx.concatenate(p.features, axis=-1)[0].astype(mx.float32)
-                seen = [Features(committed + drafts, len(committed) - 1, np.array(rows))]
+                seen = [Features.of(committed + drafts, len(committed) - 1, p.features)]
             exit_ids, exit_logp = split.exit_top_k(model, p.h[0], config.exit_head, vocab,
                                                    config.kappa)
             mx.async_eval(exit_ids, exit_logp)
@@ -173,9 +172,8 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         for c in cache:
             c.trim(g - accepted)
         if taps:
-            rows = mx.concatenate(feats, axis=-1)[0, : accepted + 1].astype(mx.float32)
-            pending.append(Features(committed + drafts[:accepted] + [token], len(committed) - 1,
-                                    np.array(rows)))
+            pending.append(Features.of(committed + drafts[:accepted] + [token],
+                                       len(committed) - 1, feats, accepted + 1))
         t_done = time.perf_counter()
         if split_pass:
             # Positions 0..A saw committed context: there the early exit's guess can be scored.

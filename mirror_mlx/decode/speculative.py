@@ -8,7 +8,6 @@ from collections.abc import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
-import numpy as np
 
 from ..draft.base import Drafter, Features, Job
 from ..measure.stats import GenerationStats
@@ -55,8 +54,7 @@ def speculative(model: nn.Module, cache: list, drafter: Drafter, committed: list
         if taps:
             # The target's features after the window's first A + 1 tokens: those of the
             # tokens committed now, for the draft's next job.
-            rows = mx.concatenate(feats, axis=-1)[0, : accepted + 1].astype(mx.float32)
-            pending.append(Features(committed + new, len(committed) - 1, np.array(rows)))
+            pending.append(Features.of(committed + new, len(committed) - 1, feats, accepted + 1))
         t2 = time.perf_counter()
         stats.add_time("draft", t1 - t0)
         stats.add_time("target", t2 - t1)

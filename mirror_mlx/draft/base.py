@@ -15,6 +15,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import mlx.core as mx
 import numpy as np
 
 from ..decode.sampling import SamplingParams
@@ -29,6 +30,14 @@ class Features:
     line: list[int]
     start: int
     rows: np.ndarray  # (m, len(feature_layers) * target hidden) float32
+
+    @staticmethod
+    def of(line: list[int], start: int, outputs: list[mx.array], count: int | None = None
+           ) -> Features:
+        """From the target's outputs at the feature layers (each (1, T, hidden), as
+        models/split.py taps them), for their first `count` positions."""
+        rows = mx.concatenate(outputs, axis=-1)[0, :count].astype(mx.float32)
+        return Features(line, start, np.array(rows))
 
 
 @dataclass
