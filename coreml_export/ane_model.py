@@ -4,10 +4,13 @@ the input/output/state contract of mirror_mlx/draft/coreml_package.py.
 Each ANE-specific choice is stated once, where it is made:
 - Activations are channels-first (B, C, 1, S) and every linear layer is a 1x1 convolution: the
   layout the Neural Engine computes natively (Apple, "Deploying Transformers on the ANE").
-- Attention is split per head, with explicit matmuls in the two einsum forms Core ML maps to
-  its own einsum op, so no transposes of the cache are needed: the key cache is stored
-  (L, 1, D) per head and the value cache (D, 1, L). SDPA is not used (its fused form needs
-  scale=None; the decomposed one inserts transposes).
+- Attention is split per head, with explicit matmuls in forms Core ML lowers without
+  transposes: scores in the einsum form it maps to its own einsum op, the weighted sum of
+  values as one matmul with its first operand transposed (flag, not op). Both caches are stored
+  (L, 1, D) per head, so each forward writes them along L, never along their innermost axis:
+  a state written along the innermost axis at a run-time offset may leave the Neural Engine
+  (coremltools #2553, Anemll #27). SDPA is not used (its fused form needs scale=None; the
+  decomposed one inserts transposes).
 - The softmax scale is folded into the query weights, and rotary embedding's rotate-half is
   folded into the q/k weights: one convolution yields each head and its rotated copy, so rope
   is two multiplies and an add, without slicing or negating activations.
@@ -93,15 +96,18 @@ class Attention(nn.Module):
         v = self.v_proj(x).reshape(kv, D, 1, s)
         rows = slice(self.first, self.first + kv)
         k_cache[rows, pos : pos + s] = k.permute(0, 3, 2, 1).to(k_cache.dtype)
-        v_cache[rows, :, :, pos : pos + s] = v.to(v_cache.dtype)
+        v_cache[rows, pos : pos + s] = v.permute(0, 3, 2, 1).to(v_cache.dtype)
+        L = k_cache.shape[1]
         out = []
         for g in range(kv):
             keys = k_cache[self.first + g : self.first + g + 1].to(x.dtype)  # (1, L, 1, D)
-            values = v_cache[self.first + g : self.first + g + 1].to(x.dtype)  # (1, D, 1, L)
+            values = v_cache[self.first + g : self.first + g + 1].to(x.dtype).reshape(1, 1, L, D)
             for h in range(g * self.heads // kv, (g + 1) * self.heads // kv):
                 scores = torch.einsum("bkhc,bchq->bkhq", keys, q[h]) + mask  # (1, L, 1, S)
-                weights = torch.softmax(scores, dim=1)
-                out.append(torch.einsum("bchk,bkhq->bchq", values, weights))
+                weights = torch.softmax(scores, dim=1).reshape(1, 1, L, s)
+                # values^T @ weights: coremltools lowers this einsum to matmul(transpose_x).
+                summed = torch.einsum("bhkc,bhkq->bhcq", values, weights)  # (1, 1, D, S)
+                out.append(summed.reshape(1, D, 1, s))
         return self.o_proj(torch.cat(out, dim=1))
 
 

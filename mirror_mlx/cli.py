@@ -142,7 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the draft (as for generate); a draft that reads the target's features "
                         "cannot be exported yet, so the default is 'default-tokens'")
     p.add_argument("--out", required=True, help="the package to write, X.mlpackage")
-    p.add_argument("--context", type=int, default=2048, help="KV slots in the package's state")
+    p.add_argument("--context", type=int, default=2048,
+                   help="KV slots in the package's state (a multiple of 32)")
     p.add_argument("--max-branch-tokens", type=int, default=32,
                    help="most tokens one call takes (query lengths 1, 2, 4, ... up to this)")
     p.add_argument("--compress", default="none",

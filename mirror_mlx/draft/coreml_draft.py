@@ -32,7 +32,7 @@ from ..errors import IncompatibleDraft, ModelLoadError, PromptTooLong
 from ..models.load import LoadedModel
 from ..platform import cache_dir
 from .base import Job, JobResult
-from .coreml_package import MASK_VALUE, PackageSpec, rope_tables
+from .coreml_package import MASK_VALUE, STATES, PackageSpec, rope_tables
 from .load import vocab_fingerprint
 from .rollout import TreeState, run_job
 
@@ -78,12 +78,10 @@ class CoreMLExecutor:
             # 9.0): a whole-state copy each way, paid only when a reused branch is not already
             # in place, and it keeps the hot predict free of gathers.
             src = np.array(slots)
-            keys = self.state.read_state("k_cache")
-            keys[:, dst : dst + n] = keys[:, src]
-            self.state.write_state("k_cache", keys)
-            values = self.state.read_state("v_cache")
-            values[..., dst : dst + n] = values[..., src]
-            self.state.write_state("v_cache", values)
+            for name in STATES:
+                cache = self.state.read_state(name)
+                cache[:, dst : dst + n] = cache[:, src]
+                self.state.write_state(name, cache)
         self.size = dst + n
 
     def forward(self, tokens, positions, mask, rows, features=None) -> np.ndarray:

@@ -12,7 +12,7 @@ of the enumerated sizes):
            mask      float32 (1, L, 1, S)  additive: 0 where a token may attend, MASK_VALUE not
            write_pos int32   (1,)          the slot where the S new keys/values are written
   states   k_cache   fp16 (N * kv_heads, L, 1, D)
-           v_cache   fp16 (N * kv_heads, D, 1, L)
+           v_cache   fp16 (N * kv_heads, L, 1, D)
   outputs  logits_0 .. logits_{c-1}  fp16 (1, V_i, 1, S): the head's scores in chunks of at
            most MAX_DIM rows, in head order
 
@@ -39,8 +39,11 @@ import numpy as np
 from ..errors import InvalidParameter, ModelLoadError
 from .net import DraftConfig, DraftNet
 
-FORMAT = "mirror-mlx-coreml-draft/1"
+FORMAT = "mirror-mlx-coreml-draft/2"  # 2: the value cache laid out like the key cache
 MAX_DIM = 16384  # the Neural Engine's practical limit on any one dimension (APPLE_APIS 2.2)
+# A stateful package whose state's dimensions are not multiples of 32 fails on the Neural
+# Engine while it runs on the CPU and GPU (coremltools #2631): context and head_dim must be.
+STATE_ALIGN = 32
 MASK_VALUE = -1e4  # fp16-safe "minus infinity": a fully masked (padding) row stays finite
 INPUTS = ("embeds", "rope_cos", "rope_sin", "mask", "write_pos")
 STATES = ("k_cache", "v_cache")
@@ -95,20 +98,21 @@ class PackageSpec:
                 "write_pos": (1,)}[name]
 
     def state_shape(self, name: str) -> tuple[int, ...]:
-        c = self.config
-        if name == "k_cache":
-            return (self.kv_heads, self.context, 1, c.head_dim)
-        return (self.kv_heads, c.head_dim, 1, self.context)
+        return (self.kv_heads, self.context, 1, self.config.head_dim)
 
     def check(self) -> None:
         c = self.config
         if c.stream_count:
             raise ModelLoadError("drafts with speculative streams are not exported to Core ML "
                                  "yet: their stream positions are an MLX-only path")
-        if c.head_dim % 2:
-            raise ModelLoadError(f"head_dim {c.head_dim} is odd: rotary embedding needs it even")
-        if not 0 < self.context <= MAX_DIM:
-            raise InvalidParameter(f"context must be in 1..{MAX_DIM} (got {self.context})")
+        if c.head_dim % STATE_ALIGN:
+            raise ModelLoadError(
+                f"head_dim {c.head_dim} is not a multiple of {STATE_ALIGN}: the KV cache state "
+                "would not run on the Neural Engine (run this draft with MLX)")
+        if not 0 < self.context <= MAX_DIM or self.context % STATE_ALIGN:
+            raise InvalidParameter(f"context must be a multiple of {STATE_ALIGN} in "
+                                   f"{STATE_ALIGN}..{MAX_DIM} (got {self.context}): the Neural "
+                                   "Engine fails on other state sizes")
         if max(self.query_sizes) > self.context:
             raise InvalidParameter("max-branch-tokens cannot exceed the context")
         if max(c.embed_size, c.hidden_size, c.intermediate_size,
@@ -133,7 +137,12 @@ class PackageSpec:
 
     @staticmethod
     def from_metadata(meta: dict[str, str], where: str = "package") -> PackageSpec:
-        if meta.get(META + "format") != FORMAT:
+        found = meta.get(META + "format", "")
+        if found != FORMAT:
+            if found.startswith(FORMAT.rsplit("/", 1)[0]):
+                raise ModelLoadError(f"{where}: made by another mirror-mlx version ({found}, "
+                                     f"this one reads {FORMAT}); export it again with "
+                                     "`mirror-mlx export-draft`")
             raise ModelLoadError(f"{where}: not a mirror-mlx draft package (no {FORMAT} "
                                  "metadata); export one with `mirror-mlx export-draft`")
         try:

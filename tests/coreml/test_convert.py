@@ -3,15 +3,18 @@ relies on: inputs, enumerated shapes, fp16 states, outputs, metadata, ops; and t
 export and inspection."""
 
 from collections import Counter
+from dataclasses import replace
 
 from mirror_mlx.cli import main
 from mirror_mlx.draft.coreml_package import (
     INPUTS,
+    META,
+    PackageSpec,
     draft_weights,
     source_sha256,
     weights_sha256,
 )
-from mirror_mlx.errors import ModelLoadError
+from mirror_mlx.errors import InvalidParameter, ModelLoadError
 from mirror_mlx.platform import coreml_can_run
 
 import coremltools as ct
@@ -43,7 +46,7 @@ def test_package_contract(package, small_draft):
     assert [name for name, _, _ in report.inputs] == list(INPUTS)
     kv = c.num_layers * c.num_kv_heads
     assert report.states == [("k_cache", "FLOAT16", (kv, CONTEXT, 1, 32)),
-                             ("v_cache", "FLOAT16", (kv, 32, 1, CONTEXT))]
+                             ("v_cache", "FLOAT16", (kv, CONTEXT, 1, 32))]
     # The 20000-token head is split in two chunks: no dimension above 16384.
     assert report.outputs == [("logits_0", "FLOAT16"), ("logits_1", "FLOAT16")]
 
@@ -58,10 +61,11 @@ def test_package_contract(package, small_draft):
     # Per layer: q, k, v, o, gate, up, down; plus the input projection and two head chunks.
     ops = report.ops
     assert ops["conv"] == 7 * c.num_layers + 1 + 2
-    assert ops["einsum"] == 2 * c.num_heads * c.num_layers  # scores and values, per head
-    assert ops["softmax"] == c.num_heads * c.num_layers
+    per_head = c.num_heads * c.num_layers
+    assert ops["einsum"] == ops["matmul"] == ops["softmax"] == per_head  # scores; sum of values
     assert ops["slice_update"] == ops["write_state"] == 2 * c.num_layers
-    assert not {"matmul", "scaled_dot_product_attention", "gather_nd", "scatter"} & set(ops)
+    assert ops["transpose"] == 2 * c.num_layers  # the new keys and values, never a cache
+    assert not {"scaled_dot_product_attention", "gather_nd", "scatter"} & set(ops)
     assert report.warnings == []
 
 
@@ -106,3 +110,21 @@ def test_cli_errors(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1
     assert main(["export-draft", "--draft", "self:1", "--out", str(tmp_path / "x.onnx")]) == 1
     assert "must end in .mlpackage" in capsys.readouterr().err
+
+
+def test_state_sizes_the_neural_engine_runs(small_draft, capsys):
+    """States whose dimensions are not multiples of 32 fail on the Neural Engine (coremltools
+    #2631): such a context or head_dim is refused before any conversion."""
+    assert main(["export-draft", "--draft", "self:1", "--out", "x.mlpackage",
+                 "--context", "100"]) == 1
+    assert "context must be a multiple of 32" in capsys.readouterr().err
+    spec = PackageSpec(replace(small_draft.config, head_dim=48), 256, (1, 2))
+    with pytest.raises(ModelLoadError, match="head_dim 48 is not a multiple of 32"):
+        spec.check()
+    with pytest.raises(InvalidParameter, match="multiple of 32"):
+        PackageSpec(small_draft.config, 250, (1, 2)).check()
+
+
+def test_packages_of_another_layout_are_refused():
+    with pytest.raises(ModelLoadError, match="another mirror-mlx version.*export it again"):
+        PackageSpec.from_metadata({META + "format": "mirror-mlx-coreml-draft/1"})

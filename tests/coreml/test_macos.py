@@ -80,7 +80,9 @@ def test_mirror_with_draft_on_neural_engine(target, small_draft_folder, package,
 def test_heavy_ops_run_on_neural_engine(package):
     plan = placement(package)
     print("\n".join(plan.lines()))
-    heavy = [(op, dev) for op, dev in plan.off_ne
-             if any(k in op for k in ("conv", "einsum", "softmax", "matmul"))]
+    # The cache writes count too: a state write that leaves the Neural Engine costs a round
+    # trip per layer (coremltools #2553).
+    kept = ("conv", "einsum", "softmax", "matmul", "slice_update", "read_state", "write_state")
+    heavy = [(op, dev) for op, dev in plan.off_ne if any(k in op for k in kept)]
     assert heavy == [], heavy
     assert plan.cost.get("NE", 0.0) >= 0.9, plan.cost
