@@ -44,6 +44,11 @@ MERGE_FEED = 64
 # feature a slot was fed before (`ref`: feeding it again where the target's is not known).
 ZERO, TARGET, OWN, FED = 0, 1, 2, 3
 
+# Sampling distributions are computed on a CPU stream of their own: on the default stream
+# (the GPU on a Mac) each drafted token would queue behind the target's work the decoder has
+# just dispatched with mx.async_eval, and the draft would stop overlapping it.
+_SAMPLING_STREAM = mx.new_thread_local_stream(mx.cpu)
+
 
 @dataclass
 class FeatureRefs:
@@ -348,7 +353,8 @@ def _choose(logits: np.ndarray, head_ids: np.ndarray, vocab: int, job: Job, rng,
         p = np.exp(z)
         p /= p.sum(axis=-1, keepdims=True)
     else:
-        p = np.array(distribution(mx.array(logits), job.sampling))
+        with mx.stream(_SAMPLING_STREAM):
+            p = np.array(distribution(mx.array(logits), job.sampling))
     k = min(top_k, p.shape[-1])
     out = []
     for row in p:

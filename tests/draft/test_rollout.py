@@ -1,11 +1,16 @@
 """The draft's token-tree cache against plain generation: a draft equal to the target must draft
 exactly the target's greedy tokens, whatever the job reuses, branches or rolls back."""
 
+import time
+
+from mirror_mlx.decode.sampling import SamplingParams
 from mirror_mlx.draft.base import Job
 from mirror_mlx.draft.mlx_draft import MLXDrafter
 from mirror_mlx.draft.net import DraftNet
+from mirror_mlx.draft.rollout import _choose
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.generate import generate_step
 
@@ -65,3 +70,24 @@ def test_cancelled_job_stops_early(setup):
     result = drafter.submit(Job([C], 8, cancel=stop)).result()
     assert result.rollouts[0].tokens == []
     assert drafter.submit(Job([C], 3)).result().rollouts[0].tokens == greedy(target, C, 3)
+
+
+def test_sampled_drafting_does_not_queue_behind_the_target():
+    """The decoder dispatches the target's forward with mx.async_eval and then drafts: the
+    draft's sampling distributions must not wait for that work (on a Mac the default stream
+    is the GPU's, which the target fills)."""
+    a = mx.random.normal((2048, 2048)) / 45
+    mx.eval(a)
+    queued = a
+    for _ in range(12):  # about a second of the default stream's time on 2 cores
+        queued = queued @ a
+    start = time.perf_counter()
+    mx.async_eval(queued)
+    logits = np.random.default_rng(0).normal(size=(4, 2000)).astype(np.float32)
+    chosen = _choose(logits, np.arange(2000), 2000, Job([[1]], 4, SamplingParams(1.0)),
+                     np.random.default_rng(0), 4)
+    drafted = time.perf_counter() - start
+    mx.eval(queued)
+    target = time.perf_counter() - start
+    assert len(chosen) == 4 and all(q is not None for *_, q, _ in chosen)
+    assert drafted < target / 4, (drafted, target)
