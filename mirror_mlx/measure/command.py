@@ -34,8 +34,7 @@ def bench_command(target_spec: str | None, prompts_source: str, config: BenchCon
     try:
         result = run_bench(target, prompts, config, meter, quiet=quiet)
     finally:
-        if meter.meter is not None:
-            meter.meter.close()
+        meter.close()
     from .plots import write_plots
 
     summary = summarize(result)

@@ -50,6 +50,10 @@ class MeterChoice:
     def available(self) -> bool:
         return self.meter is not None
 
+    def close(self) -> None:
+        if self.meter is not None:
+            self.meter.close()
+
 
 @dataclass
 class EnergyReading:

@@ -1,5 +1,9 @@
 """macOS energy from `powermetrics` (needs sudo without a password prompt: `sudo -n`).
 
+The usual sudoers rule allows only powermetrics without a password, so nothing is checked
+beforehand with another command (`sudo -n true` would be refused): the real command runs, and
+if it gives no sample, what it said is the error.
+
 powermetrics runs in the background and prints one property list per sample, NUL-separated
 (`-f plist`); a reader thread adds each sample's energy to running totals. Each sample holds
 `elapsed_ns` and, under `processor` (or `gpu` on some macOS versions), `cpu_energy`,
@@ -53,9 +57,6 @@ class PowermetricsMeter:
     def __init__(self, first_sample_timeout_s: float = 5.0):
         if shutil.which("powermetrics") is None:
             raise MeterUnavailable("powermetrics is not on the PATH")
-        if subprocess.run(["sudo", "-n", "true"], capture_output=True).returncode != 0:
-            raise MeterUnavailable("powermetrics needs sudo without a password prompt "
-                                   "(sudo -n failed)")
         self.totals: dict[str, float] = {}
         self._lock = threading.Lock()
         self._first = threading.Event()
@@ -64,10 +65,13 @@ class PowermetricsMeter:
                                         name="mirror-powermetrics")
         self._thread.start()
         if not self._first.wait(first_sample_timeout_s):
-            err = self.proc.stderr.read1(4096).decode(errors="replace").strip() \
-                if self.proc.poll() is not None else "no sample in time"
             self.close()
-            raise MeterUnavailable(f"powermetrics gave no sample ({err})")
+            err = self.proc.stderr.read().decode(errors="replace").strip()
+            raise MeterUnavailable(
+                f"`{' '.join(COMMAND)}` gave no sample in {first_sample_timeout_s:g} s"
+                + (f": {err}" if err else "")
+                + (" (powermetrics needs sudo without a password prompt)"
+                   if "password" in err else ""))
 
     def _pump(self) -> None:
         buffer = b""

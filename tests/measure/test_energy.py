@@ -4,12 +4,11 @@ powermetrics parser, and the macOS meters on macOS (skipped elsewhere)."""
 import glob
 import os
 import plistlib
-import subprocess
 import time
 from pathlib import Path
 
 from mirror_mlx.errors import InvalidParameter
-from mirror_mlx.measure.energy import measure, open_meter
+from mirror_mlx.measure.energy import MeterUnavailable, measure, open_meter
 from mirror_mlx.measure.ioreport import rail_of
 from mirror_mlx.measure.powermetrics import sample_joules, split_samples
 from mirror_mlx.measure.rapl import RaplMeter
@@ -91,6 +90,7 @@ def test_rapl_unreadable_counter_is_unavailable(powercap):
 @pytest.mark.skipif(is_macos(), reason="on macOS 'auto' picks IOReport or powermetrics")
 def test_auto_picks_rapl_off_macos(powercap, tmp_path):
     choice = open_meter("auto", rapl_root=powercap)
+    choice.close()
     assert choice.available and choice.backend == "rapl" and choice.meter.backend == "rapl"
     empty = open_meter("auto", rapl_root=tmp_path / "nothing")
     assert not empty.available and empty.backend == "none"
@@ -102,6 +102,7 @@ def test_auto_on_this_machine_is_honest():
     counters = glob.glob("/sys/class/powercap/intel-rapl:*/energy_uj")
     readable = bool(counters) and all(os.access(c, os.R_OK) for c in counters)
     choice = open_meter("auto")
+    choice.close()
     if readable:
         assert choice.backend == "rapl"
     else:
@@ -166,21 +167,62 @@ def test_ioreport_measures_cpu_work_on_macos():
     assert reading.joules.get("cpu", 0.0) > 0.0
     assert all(v >= 0.0 for v in reading.joules.values())
     assert 0.0 < reading.watts < 500.0
-    assert open_meter("auto").backend == "ioreport"
+    choice = open_meter("auto")
+    choice.close()
+    assert choice.backend == "ioreport"
 
 
-def _passwordless_sudo() -> bool:
-    return is_macos() and subprocess.run(["sudo", "-n", "true"],
-                                         capture_output=True).returncode == 0
+SAMPLE = {"elapsed_ns": 500_000_000, "processor": {"cpu_energy": 1500, "ane_energy": 20}}
 
 
-@pytest.mark.macos
-@pytest.mark.skipif(not _passwordless_sudo(),
-                    reason="powermetrics needs macOS and sudo without a password prompt")
-def test_powermetrics_meter_on_macos():
+@pytest.fixture
+def sudo_rule(tmp_path, monkeypatch):
+    """The usual sudoers rule, on any OS: `sudo -n` runs powermetrics and refuses anything
+    else. powermetrics itself exists only on macOS; elsewhere an executable of that name
+    prints samples as it does (plists, NUL-separated, every 50 ms)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    sudo = bin_dir / "sudo"
+    sudo.write_text('#!/bin/sh\n[ "$1" = -n ] && [ "$2" = powermetrics ] && shift && exec "$@"\n'
+                    'echo "sudo: a password is required" >&2; exit 1\n')
+    fake = bin_dir / "powermetrics"
+    sample = plistlib.dumps(SAMPLE).decode()
+    fake.write_text(f"#!/usr/bin/env python3\nimport sys, time\nwhile True:\n"
+                    f"    sys.stdout.write({sample!r} + '\\0'); sys.stdout.flush()\n"
+                    f"    time.sleep(0.05)\n")
+    for f in (sudo, fake):
+        f.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    return sudo
+
+
+@pytest.mark.skipif(is_macos(), reason="a Mac has the real powermetrics (the next test)")
+def test_powermetrics_with_a_sudo_rule_for_it_alone(sudo_rule):
     from mirror_mlx.measure.powermetrics import PowermetricsMeter
 
     meter = PowermetricsMeter()
+    try:
+        time.sleep(0.3)
+        assert meter.read()["cpu"] >= 1.5 and meter.read()["ane"] >= 0.02
+    finally:
+        meter.close()
+    # Where sudo wants a password, the meter says what the real command said.
+    sudo_rule.write_text('#!/bin/sh\necho "sudo: a password is required" >&2; exit 1\n')
+    with pytest.raises(MeterUnavailable, match="a password is required.*needs sudo without"):
+        PowermetricsMeter(first_sample_timeout_s=2.0)
+
+
+@pytest.mark.macos
+@pytest.mark.skipif(not is_macos(), reason=NOT_MACOS)
+def test_powermetrics_meter_on_macos():
+    from mirror_mlx.measure.powermetrics import PowermetricsMeter
+
+    try:
+        meter = PowermetricsMeter()
+    except MeterUnavailable as e:
+        if "password" not in str(e):
+            raise
+        pytest.skip(f"powermetrics needs sudo without a password prompt: {e}")
     try:
         reading, _ = measure(meter, lambda: time.sleep(2.0))
     finally:
