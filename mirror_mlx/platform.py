@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import importlib.machinery
 import importlib.util
 import os
 import platform as _platform
@@ -106,9 +107,26 @@ def coreml_status() -> tuple[bool, str]:
         return False, f"Core ML runs only on macOS (this is {_platform.system()})"
     if macos_version() < (15,):
         return False, "Core ML stateful models need macOS 15 or later"
-    if importlib.util.find_spec("coremltools") is None:
-        return False, "coremltools is not installed (pip install 'mirror-mlx[export]')"
-    return True, "available"
+    problem = coremltools_problem()
+    return (False, problem) if problem else (True, "available")
+
+
+def coremltools_problem() -> str | None:
+    """Why coremltools cannot run Core ML models in this Python, or None. Its prediction API
+    lives in a native module (libcoremlpython) that only its macOS wheels carry, and only for
+    the Python versions they were built for: without it coremltools still imports, converts
+    and saves, and `CompiledMLModel` fails later with a bare Exception. Checked without
+    importing coremltools (slow)."""
+    spec = importlib.util.find_spec("coremltools")
+    if spec is None:
+        return "coremltools is not installed (pip install 'mirror-mlx[export]')"
+    folders = [Path(f) for f in spec.submodule_search_locations or ()]
+    if not any((f / f"libcoremlpython{suffix}").is_file()
+               for f in folders for suffix in importlib.machinery.EXTENSION_SUFFIXES):
+        return (f"coremltools has no Core ML bindings for Python {_platform.python_version()} "
+                "(its native module libcoremlpython is missing): install mirror-mlx in a "
+                "Python version that coremltools publishes macOS wheels for")
+    return None
 
 
 def coreml_can_run() -> bool:

@@ -37,6 +37,10 @@ from .load import vocab_fingerprint
 from .rollout import TreeState, run_job
 
 
+class CoreMLUnavailable(ModelLoadError):
+    """Core ML could not compile or load a package that is itself readable."""
+
+
 class Runtime(Protocol):
     def make_state(self) -> Any: ...
 
@@ -281,7 +285,10 @@ def open_package(package: str | Path, target: LoadedModel, top_k: int = 4) -> Co
     package = Path(package)
     spec = read_package_spec(package)
     check_target(spec, target, str(package))
-    model = ct.models.CompiledMLModel(str(compiled_package(package)),
-                                      compute_units=ct.ComputeUnit[spec.compute_units])
+    try:
+        model = ct.models.CompiledMLModel(str(compiled_package(package)),
+                                          compute_units=ct.ComputeUnit[spec.compute_units])
+    except Exception as e:  # coremltools raises bare Exceptions (no bindings, compile errors)
+        raise CoreMLUnavailable(f"Core ML could not load it ({e})") from e
     embed = mlx_embedding(target.model.model.embed_tokens)
     return CoreMLDrafter(CoreMLExecutor(model, spec, embed), top_k)

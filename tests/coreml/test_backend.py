@@ -3,7 +3,9 @@ with the inline drafter is lossless, the inline queue keeps its order, errors re
 the reference holds callers to Core ML's input rules, and the backend is chosen as documented."""
 
 import dataclasses
+import importlib.util
 from collections import Counter
+from pathlib import Path
 
 from mirror_mlx.api import Engine
 from mirror_mlx.decode.mirror import MirrorConfig
@@ -17,9 +19,9 @@ from mirror_mlx.draft.coreml_draft import (
 from mirror_mlx.draft.coreml_package import source_sha256
 from mirror_mlx.draft.load import load_draft
 from mirror_mlx.draft.mlx_draft import MLXDrafter
-from mirror_mlx.draft.select import beside, make_drafter
+from mirror_mlx.draft.select import _open_or_mlx, beside, make_drafter
 from mirror_mlx.errors import IncompatibleDraft, ModelLoadError, PromptTooLong
-from mirror_mlx.platform import coreml_can_run
+from mirror_mlx.platform import coreml_can_run, coremltools_problem
 from mirror_mlx.session import DecodeSettings, Session
 
 import numpy as np
@@ -144,8 +146,15 @@ def test_backend_choice_without_coreml(target, small_draft, small_draft_folder, 
     expected = MLXDrafter(small_draft)
     want = expected.submit(Job([C], 4)).result().rollouts[0].tokens
     expected.close()
-    for spec in (str(small_draft_folder), str(package)):
-        drafter = make_drafter(spec, target)
+    drafters = [make_drafter(str(small_draft_folder), target)]
+    with pytest.warns(UserWarning, match=r"Core ML cannot run here \(.*\): running .*small, "
+                                         "the draft draft.mlpackage was exported from, with MLX"):
+        drafters.append(make_drafter(str(package), target))
+    # Where Core ML fails to load a package (coremltools raises a bare Exception), its draft
+    # runs with MLX instead.
+    with pytest.warns(UserWarning, match="Core ML could not load it .*; running its draft"):
+        drafters.append(_open_or_mlx(package, target, str(small_draft_folder)))
+    for drafter in drafters:
         assert isinstance(drafter, MLXDrafter)
         assert drafter.submit(Job([C], 4)).result().rollouts[0].tokens == want
         drafter.close()
@@ -158,3 +167,15 @@ def test_package_for_another_vocabulary_is_refused(package_spec, target):
     config = dataclasses.replace(package_spec.config, target={"name": "other", "vocab": "0"})
     with pytest.raises(IncompatibleDraft, match="exported for another vocabulary"):
         check_target(dataclasses.replace(package_spec, config=config), target, "draft.mlpackage")
+
+
+@pytest.mark.skipif(coreml_can_run(), reason="Core ML runs here")
+def test_coremltools_without_its_bindings_is_not_core_ml():
+    """coremltools imports and converts without its native module, which only its macOS wheels
+    carry (for some Python versions): that is not a machine that runs Core ML."""
+    if importlib.util.find_spec("coremltools") is None:
+        pytest.skip("coremltools is not installed")
+    folder = Path(importlib.util.find_spec("coremltools").origin).parent
+    if list(folder.glob("libcoremlpython*")):
+        pytest.skip("this coremltools has its Core ML bindings")
+    assert "libcoremlpython is missing" in coremltools_problem()
