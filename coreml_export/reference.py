@@ -5,6 +5,8 @@ from, behind the same runtime interface (`make_state`, `predict`, and a state wi
 - inputs must be exactly the contract's names, float32 or int32 (Core ML rejects int64 and
   float16 numpy at the binding: APPLE_APIS 1.4), with one of the enumerated shapes, the same
   index for every input;
+- an input's memory must not be given to predict again within INPUT_HOLD_S seconds (Core ML
+  may still hold it from the earlier call: APPLE_APIS fact 2);
 - states are fp16; read_state returns a float32 copy, write_state takes float32 (a float16
   array raises, as in coremltools);
 - outputs come back as new float32 arrays.
@@ -15,10 +17,17 @@ Linux exactly as it will against a package.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from mirror_mlx.draft.coreml_draft import read_package_spec
-from mirror_mlx.draft.coreml_package import INPUTS, STATES, PackageSpec, weights_sha256
+from mirror_mlx.draft.coreml_package import (
+    INPUT_HOLD_S,
+    INPUTS,
+    STATES,
+    PackageSpec,
+    weights_sha256,
+)
 from mirror_mlx.errors import ModelLoadError
 
 import numpy as np
@@ -54,6 +63,7 @@ class ReferenceModel:
         # A call is hundreds of tiny ops: torch's intra-op threads only add overhead there, and
         # contend with MLX's. (Process-wide; the reference is for tests and Linux checks.)
         torch.set_num_threads(1)
+        self._given: dict[int, float] = {}  # input memory address -> when predict was given it
 
     @staticmethod
     def for_package(package: str | Path, weights: dict[str, np.ndarray]) -> ReferenceModel:
@@ -91,3 +101,12 @@ class ReferenceModel:
             if value.shape != self.spec.input_shape(name, s):
                 raise RuntimeError(f"input {name} has shape {value.shape}, "
                                    f"want {self.spec.input_shape(name, s)}")
+        now = time.perf_counter()
+        self._given = {a: t for a, t in self._given.items() if now - t < INPUT_HOLD_S}
+        for name, value in inputs.items():
+            address = value.__array_interface__["data"][0]
+            if address in self._given:
+                raise RuntimeError(f"input {name}: its memory was given to predict "
+                                   f"{now - self._given[address]:.3f} s ago and Core ML may "
+                                   f"still hold it (keep inputs untouched {INPUT_HOLD_S:g} s)")
+        self._given.update((v.__array_interface__["data"][0], now) for v in inputs.values())

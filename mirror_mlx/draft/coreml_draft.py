@@ -17,6 +17,7 @@ import hashlib
 import logging
 import os
 import shutil
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -32,7 +33,14 @@ from ..errors import IncompatibleDraft, ModelLoadError, PromptTooLong
 from ..models.load import LoadedModel
 from ..platform import cache_dir
 from .base import Job, JobResult
-from .coreml_package import MASK_VALUE, STATES, PackageSpec, rope_tables
+from .coreml_package import (
+    INPUT_HOLD_S,
+    INPUTS,
+    MASK_VALUE,
+    STATES,
+    PackageSpec,
+    rope_tables,
+)
 from .load import vocab_fingerprint
 from .rollout import TreeState, run_job
 
@@ -61,16 +69,23 @@ class CoreMLExecutor:
         self.reads_features = False  # export refuses feature-conditioned drafts (convert.py)
         self.state = runtime.make_state()
         self.size = 0  # slots in use; those beyond hold stale or padding entries, never read
-        # Core ML may keep an input's memory bound for about a second after predict returns
-        # and crash if Python has freed it (APPLE_APIS fact 2): every input is a persistent
-        # buffer, two sets per query length used in turn so none is refilled right after use.
-        self._buffers = {s: [self._new_inputs(s) for _ in range(2)] for s in spec.query_sizes}
-        self._turn = 0
+        self._inputs = {s: deque() for s in spec.query_sizes}  # (last given, inputs), oldest first
 
-    def _new_inputs(self, s: int) -> dict[str, np.ndarray]:
-        return {name: np.zeros(self.spec.input_shape(name, s),
-                               np.int32 if name == "write_pos" else np.float32)
-                for name in ("embeds", "rope_cos", "rope_sin", "mask", "write_pos")}
+    def _take_inputs(self, s: int) -> dict[str, np.ndarray]:
+        """A set of input buffers for query length s that no predict was given in the last
+        INPUT_HOLD_S seconds: Core ML may still read (and crash on the freed or refilled memory
+        of) an input for about a second after predict returns, so each set is reused only
+        after that, from a ring that grows to what ~2 s of calls need (two sets alternated
+        would be refilled within milliseconds)."""
+        ring, now = self._inputs[s], time.perf_counter()
+        if ring and now - ring[0][0] >= INPUT_HOLD_S:
+            inputs = ring.popleft()[1]
+        else:
+            inputs = {name: np.zeros(self.spec.input_shape(name, s),
+                                     np.int32 if name == "write_pos" else np.float32)
+                      for name in INPUTS}
+        ring.append((now, inputs))
+        return inputs
 
     def truncate(self, size: int) -> None:
         self.size = min(self.size, size)
@@ -106,8 +121,7 @@ class CoreMLExecutor:
         while done < n:
             s = self._query_size(n - done, L - start - done)
             take = min(s, n - done)
-            inputs = self._buffers[s][self._turn]
-            self._turn ^= 1
+            inputs = self._take_inputs(s)
             part = slice(done, done + take)
             inputs["embeds"][0, :, 0, :take] = embeds[part].T
             inputs["rope_cos"][0, :, 0, :take] = cos[part].T

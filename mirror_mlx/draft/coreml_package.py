@@ -46,6 +46,10 @@ MAX_DIM = 16384  # the Neural Engine's practical limit on any one dimension (APP
 STATE_ALIGN = 32
 MASK_VALUE = -1e4  # fp16-safe "minus infinity": a fully masked (padding) row stays finite
 INPUTS = ("embeds", "rope_cos", "rope_sin", "mask", "write_pos")
+# Core ML keeps an input's memory bound after predict returns and releases it about a second
+# later on a queue of its own (APPLE_APIS fact 2): an input must stay untouched, and
+# alive, this long after the call that was given it.
+INPUT_HOLD_S = 2.0
 STATES = ("k_cache", "v_cache")
 COMPUTE_UNITS = "CPU_AND_NE"  # Core ML does not store the units in a package: this key does
 META = "mirror_mlx."  # prefix of our keys in the package's user-defined metadata

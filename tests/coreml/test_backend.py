@@ -118,6 +118,8 @@ def test_reference_holds_callers_to_coreml_rules(small_draft):
     out = model.predict(ok, state)
     assert list(out) == ["logits_0", "logits_1"]
     assert out["logits_0"].dtype == np.float32 and out["logits_0"].shape == (1, 10000, 1, 2)
+    with pytest.raises(RuntimeError, match="given to predict 0.0.* s ago"):
+        model.predict(ok, state)  # too soon: Core ML may still hold these buffers
     for name, bad in [("mask", ok["mask"].astype(np.float16)),
                       ("write_pos", ok["write_pos"].astype(np.int64))]:
         with pytest.raises(RuntimeError, match="not convertible"):
