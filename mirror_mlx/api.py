@@ -16,6 +16,7 @@ from .decode.length import LONGEST
 from .decode.mirror import MirrorConfig
 from .decode.sampling import SamplingParams
 from .decode.schedule import AUTO_BUDGET
+from .draft.base import Drafter
 from .draft.load import load_exit_head
 from .draft.lookup import LookupDrafter
 from .draft.select import make_drafter
@@ -126,7 +127,8 @@ class Engine:
     """
 
     def __init__(self, model: str | LoadedModel | None = None, *, mode: str = "ar",
-                 draft: str | None = None, dtype: str = "auto", context: int | None = None,
+                 draft: str | Drafter | None = None, dtype: str = "auto",
+                 context: int | None = None,
                  gamma: int | None = None, kappa: int = 8, exit_layer: int | None = None,
                  exit_head: str | None = None, branch_budget: int | None = None,
                  branch_source: str = "union", lookup: bool = True,
@@ -145,7 +147,9 @@ class Engine:
             source=branch_source, exit_head=head, separate_units=separate_units))
         settings.check(model.num_layers)
         if mode != "ar":
-            self.drafter = make_drafter(draft, model)
+            # A spec names a draft (draft/select.py); a Drafter is used as it is.
+            self.drafter = make_drafter(draft, model) if draft is None or isinstance(draft, str) \
+                else draft
             if mode == "mirror":
                 # The exit reads out only the tokens the draft's head knows (split.ExitVocab).
                 ids = self.drafter.head_ids

@@ -89,7 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     _generation_args(p)
     p.add_argument("--system", default=None, help="system message")
 
-    sub.add_parser("doctor", help="show the platform, MLX device, BLAS, Core ML and cache")
+    p = sub.add_parser("doctor", help="show the platform, MLX device, BLAS, Core ML and cache")
+    p.add_argument("--selftest", action="store_true",
+                   help="also run the real paths end to end (about a minute: Core ML draft vs "
+                        "MLX draft, Mirror-SD identity, overlap, op placement, energy) and "
+                        "print a report to paste into an issue")
 
     p = sub.add_parser("download", help="fetch a model into the cache (default: the default model)")
     p.add_argument("--model", default=None)
@@ -266,7 +270,15 @@ def cmd_chat(args) -> None:
 def cmd_doctor(args) -> None:
     from .platform import machine_info
 
-    print("\n".join(machine_info().lines()))
+    if not args.selftest:
+        print("\n".join(machine_info().lines()))
+        return
+    from .selftest import Selftest, report
+
+    checks = Selftest(lambda name: print(f"selftest: {name} ...", file=sys.stderr)).run()
+    print(report(checks))
+    if any(c.status == "FAIL" for c in checks):
+        raise SystemExit(1)
 
 
 def cmd_download(args) -> None:

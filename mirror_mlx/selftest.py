@@ -1,0 +1,256 @@
+"""`mirror-mlx doctor --selftest`: the real paths, end to end, in about a minute, and a report a
+user can paste into an issue.
+
+On a Mac: the default draft exported to Core ML and its predictions against the MLX draft,
+Mirror-SD greedy output with the Core ML draft against target-only decoding, how much drafting
+the target's forward hid, where Core ML runs each op, and a few seconds of energy. Elsewhere
+the same Core ML checks run the package's reference executor (the PyTorch module it was
+converted from) where torch is installed, and say so; what cannot run is reported as skipped,
+with the reason. Each check reports ok, FAIL or skipped, never a number it did not measure.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib.metadata import version
+from pathlib import Path
+
+import numpy as np
+
+from .platform import cache_dir, coreml_status, machine_info
+
+PROMPTS = ("Write one sentence about the sea.", "List three prime numbers and explain why.")
+MAX_TOKENS = 24
+CONTEXT = 512  # of the exported package: a multiple of 32 (coreml_package.STATE_ALIGN)
+MAX_BRANCH_TOKENS = 8
+ENERGY_S = 3.0  # IOReport publishes about every 2 s: a shorter window may read zero
+# Top-1 agreement between the package (fp16 on the Neural Engine) and MLX (float32) over all
+# positions: the trained draft has near-ties that fp16 may flip.
+MIN_AGREEMENT = 0.9
+
+
+class Skip(Exception):
+    """The check cannot run here; the message says why."""
+
+
+@dataclass
+class Check:
+    name: str
+    status: str  # ok | FAIL | skipped
+    detail: str
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        took = f" ({self.seconds:.1f} s)" if self.status != "skipped" else ""
+        return f"[{self.status}] {self.name}{took}: {self.detail}"
+
+
+def run_check(name: str, check: Callable[[], str]) -> Check:
+    start = time.perf_counter()
+    try:
+        detail, status = check(), "ok"
+    except Skip as e:
+        detail, status = str(e), "skipped"
+    except AssertionError as e:
+        detail, status = str(e), "FAIL"
+    except Exception as e:  # a selftest reports every failure and goes on
+        detail = f"{type(e).__name__}: {e}\n" + traceback.format_exc(limit=3)
+        status = "FAIL"
+    return Check(name, status, detail, time.perf_counter() - start)
+
+
+class Selftest:
+    """The checks, in order, sharing what they build (the target, the package)."""
+
+    def __init__(self, progress: Callable[[str], None] = lambda _: None):
+        self.progress = progress
+        self.target = None
+        self.expected: list[list[int]] = []
+        self.package: Path | None = None
+        self.runtime_name = ""
+        self.make_runtime = None
+
+    def run(self) -> list[Check]:
+        checks = []
+        for name, check in (
+            ("target-only greedy (MLX)", self.target_only),
+            ("Mirror-SD greedy identity, MLX draft", self.mirror_mlx_draft),
+            ("Core ML export of the default token draft", self.export),
+            ("Core ML draft predictions vs MLX draft", self.parity),
+            ("Mirror-SD greedy identity, Core ML draft", self.mirror_coreml_draft),
+            ("Core ML op placement", self.placement),
+            ("energy meter", self.energy),
+        ):
+            self.progress(name)
+            checks.append(run_check(name, check))
+        return checks
+
+    def target_only(self) -> str:
+        from .api import Engine
+        from .models.load import load
+
+        self.target = load(None, quiet=True)
+        engine = Engine(self.target)
+        results = [engine.generate(p, max_tokens=MAX_TOKENS) for p in PROMPTS]
+        self.expected = [r.token_ids for r in results]
+        rate = sum(r.stats.generated_tokens for r in results) / sum(
+            r.stats.decode_s for r in results)
+        return f"{len(PROMPTS)} prompts, {rate:.1f} tok/s decoding"
+
+    def _mirror(self, draft) -> str:
+        from .api import Engine
+
+        if self.target is None:
+            raise Skip("the target did not load")
+        engine = Engine(self.target, mode="mirror", draft=draft)
+        steps = tokens = 0
+        hidden = []
+        try:
+            for prompt, want in zip(PROMPTS, self.expected):
+                got = engine.generate(prompt, max_tokens=MAX_TOKENS)
+                assert got.token_ids == want, (
+                    f"greedy output differs from target-only decoding on {prompt!r}: "
+                    f"{got.token_ids} != {want}")
+                steps += got.stats.target_steps
+                tokens += got.stats.committed_tokens
+                hidden.append(got.stats.overlap_fraction)
+        finally:
+            engine.close()
+        return (f"identical on {len(PROMPTS)} prompts; {tokens / steps:.2f} tokens per target "
+                f"step; drafting hidden under the target's forward: "
+                f"{100 * float(np.mean(hidden)):.0f}%")
+
+    def mirror_mlx_draft(self) -> str:
+        return self._mirror(None)
+
+    def export(self) -> str:
+        ok, why = coreml_status()
+        try:
+            from coreml_export.convert import export_draft
+            from coreml_export.reference import ReferenceModel
+        except ImportError as e:
+            raise Skip(f"needs the export extra: pip install 'mirror-mlx[export]' ({e})") from e
+        from .draft.coreml_draft import read_package_spec
+        from .draft.coreml_package import draft_weights, weights_sha256
+        from .draft.load import load_draft
+
+        if self.target is None:
+            raise Skip("the target did not load")
+        net = load_draft("default-tokens", self.target)
+        weights = draft_weights(net)
+        digest = weights_sha256(weights)[:16]
+        out = cache_dir() / "selftest" / f"default-tokens-{digest}-{CONTEXT}.mlpackage"
+        made = "reused"
+        if not out.is_dir():
+            out.parent.mkdir(parents=True, exist_ok=True)
+            export_draft(net, out, source="default-tokens", context=CONTEXT,
+                         max_branch_tokens=MAX_BRANCH_TOKENS, quiet=True)
+            made = "exported"
+        self.package = out
+        if ok:
+            import coremltools as ct
+
+            from .draft.coreml_draft import compiled_package
+
+            spec = read_package_spec(out)
+            self.runtime_name = "Core ML (CPU_AND_NE)"
+            self.make_runtime = lambda: ct.models.CompiledMLModel(
+                str(compiled_package(out)), compute_units=ct.ComputeUnit[spec.compute_units])
+        else:
+            spec = read_package_spec(out)
+            self.runtime_name = f"the reference executor, not Core ML ({why})"
+            self.make_runtime = lambda: ReferenceModel(spec, weights)
+        return f"{made} {out}"
+
+    def _executor(self):
+        from .draft.coreml_draft import CoreMLExecutor, mlx_embedding, read_package_spec
+
+        if self.make_runtime is None:
+            raise Skip("no package (see the export check)")
+        spec = read_package_spec(self.package)
+        embed = mlx_embedding(self.target.model.model.embed_tokens)
+        return CoreMLExecutor(self.make_runtime(), spec, embed)
+
+    def parity(self) -> str:
+        from .draft.load import load_draft
+        from .draft.mlx_draft import MLXExecutor
+
+        coreml = self._executor()
+        mlx_ex = MLXExecutor(load_draft("default-tokens", self.target))
+        tokens = self.target.tokenizer.encode(" ".join(PROMPTS))
+        pairs = []
+        for ex in (mlx_ex, coreml):
+            ex.truncate(0)
+            rows = list(range(len(tokens)))
+            whole = ex.forward(tokens, 0, None, rows)  # split into several calls by the package
+            one = ex.forward(tokens[-1:], len(tokens), None, [0])  # then one token
+            pairs.append(np.concatenate([whole, one])[:, 0])
+        a, b = pairs
+        diff = float(np.abs(a - b).max())
+        agree = float((a.argmax(-1) == b.argmax(-1)).mean())
+        detail = (f"{len(a)} positions through {self.runtime_name}: best token agrees at "
+                  f"{100 * agree:.1f}%, max |logit difference| {diff:.3f} "
+                  f"(largest |logit| {np.abs(a).max():.1f})")
+        assert agree >= MIN_AGREEMENT, detail
+        return detail
+
+    def mirror_coreml_draft(self) -> str:
+        from .draft.coreml_draft import CoreMLDrafter
+
+        return self._mirror(CoreMLDrafter(self._executor())) + f" (through {self.runtime_name})"
+
+    def placement(self) -> str:
+        ok, why = coreml_status()
+        if not ok:
+            raise Skip(why)
+        if self.package is None:
+            raise Skip("no package (see the export check)")
+        from coreml_export.inspect import placement
+
+        plan = placement(self.package)
+        share = plan.cost.get("NE", 0.0)
+        detail = "\n".join(plan.lines())
+        assert share >= 0.9 and not plan.off_ne, (
+            f"{100 * share:.0f}% of the estimated cost on the Neural Engine\n{detail}")
+        return detail
+
+    def energy(self) -> str:
+        from .api import Engine
+        from .measure.energy import measure, open_meter
+
+        choice = open_meter("auto")
+        if not choice.available:
+            raise Skip(choice.note)
+        if self.target is None:
+            raise Skip("the target did not load")
+        engine = Engine(self.target)
+        try:
+            def work():
+                end, tokens = time.perf_counter() + ENERGY_S, 0
+                while time.perf_counter() < end:
+                    tokens += engine.generate(PROMPTS[0], max_tokens=MAX_TOKENS).stats \
+                        .generated_tokens
+                return tokens
+
+            reading, tokens = measure(choice.meter, work)
+        finally:
+            choice.close()
+        rails = ", ".join(f"{rail} {j:.2f} J" for rail, j in sorted(reading.joules.items()))
+        assert reading.total_j > 0, f"{choice.backend} read no energy over {reading.seconds:.1f} s"
+        return (f"{choice.backend}: {rails} over {reading.seconds:.1f} s of decoding "
+                f"({reading.watts:.1f} W, {reading.total_j / max(tokens, 1):.3f} J/token)")
+
+
+def report(checks: list[Check]) -> str:
+    """The text to paste into an issue."""
+    lines = [f"mirror-mlx {version('mirror-mlx')} selftest", ""]
+    lines += machine_info().lines()
+    lines.append("")
+    lines += [c.line() for c in checks]
+    failed = sum(c.status == "FAIL" for c in checks)
+    skipped = sum(c.status == "skipped" for c in checks)
+    lines += ["", f"{len(checks) - failed - skipped} ok, {failed} failed, {skipped} skipped"]
+    return "\n".join(lines)
