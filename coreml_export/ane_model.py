@@ -136,15 +136,38 @@ class Block(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class Features(nn.Module):
+    """A feature-conditioned draft's input mixing (draft/net.py): each token's feature is the
+    target's hidden states fused into one vector, or the host's own vector, chosen per token
+    by a 0/1 input (a multiply-add: no data-dependent control flow in the package)."""
+
+    def __init__(self, c: DraftConfig, w: dict):
+        super().__init__()
+        self.size = c.feature_size
+        self.norms = nn.ModuleList(RMSNorm(w[f"feature_norms.{i}.weight"], c.rms_norm_eps)
+                                   for i in range(len(c.feature_layers)))
+        self.fuse = conv(w["fuse.weight"])
+        self.norm = RMSNorm(w["feature_norm.weight"], c.rms_norm_eps)
+        self.mix = conv(w["mix.weight"])
+
+    def forward(self, x, target_features, own_features, from_target):
+        parts = target_features.split(self.size, dim=1)
+        fused = self.fuse(torch.cat([n(p) for n, p in zip(self.norms, parts)], dim=1))
+        fed = from_target * fused + (1 - from_target) * own_features
+        return self.mix(torch.cat([self.norm(fed), x], dim=1)), fed
+
+
 class ANEDraft(nn.Module):
-    """forward(embeds, rope_cos, rope_sin, mask, write_pos) -> logits chunks; the KV cache is
-    the module's buffers `k_cache` and `v_cache` (Core ML state)."""
+    """forward(embeds, rope_cos, rope_sin, mask, write_pos[, target_features, own_features,
+    from_target]) -> logits chunks[, top, fed]; the KV cache is the module's buffers `k_cache`
+    and `v_cache` (Core ML state)."""
 
     def __init__(self, spec: PackageSpec, weights: dict[str, np.ndarray]):
         super().__init__()
         spec.check()
         c = self.config = spec.config
         self.in_proj = conv(weights["in_proj.weight"]) if "in_proj.weight" in weights else None
+        self.features = Features(c, weights) if spec.reads_features else None
         self.layers = nn.ModuleList(Block(c, weights, i) for i in range(c.num_layers))
         self.norm = RMSNorm(weights["norm.weight"], c.rms_norm_eps)
         head = weights["embed_tokens.weight" if c.tie_head else "head.weight"]
@@ -158,10 +181,12 @@ class ANEDraft(nn.Module):
             self.register_buffer(name, torch.zeros(spec.state_shape(name), dtype=torch.float16))
         self.eval()
 
-    def forward(self, embeds, rope_cos, rope_sin, mask, write_pos):
+    def forward(self, embeds, rope_cos, rope_sin, mask, write_pos, *features):
         x = embeds if self.in_proj is None else self.in_proj(embeds)
+        if self.features is not None:
+            x, fed = self.features(x, *features)
         pos = write_pos[0]
         for layer in self.layers:
             x = layer(x, rope_cos, rope_sin, mask, pos, self.k_cache, self.v_cache)
-        x = self.norm(x)
-        return tuple(head(x) for head in self.heads)
+        logits = tuple(head(self.norm(x)) for head in self.heads)
+        return logits + (x, fed) if self.features is not None else logits

@@ -10,7 +10,6 @@ from pathlib import Path
 
 from mirror_mlx.draft.coreml_draft import import_coremltools
 from mirror_mlx.draft.coreml_package import (
-    INPUTS,
     PackageSpec,
     draft_weights,
     query_sizes,
@@ -18,7 +17,7 @@ from mirror_mlx.draft.coreml_package import (
     weights_sha256,
 )
 from mirror_mlx.draft.net import DraftNet
-from mirror_mlx.errors import IncompatibleDraft, InvalidParameter
+from mirror_mlx.errors import InvalidParameter
 from mirror_mlx.progress import Progress
 
 import numpy as np
@@ -39,11 +38,6 @@ def package_spec(net: DraftNet, context: int, max_branch_tokens: int, source: st
     """The contract a package of `net` will have, and the weights it will hold."""
     if compress not in COMPRESSIONS:
         raise InvalidParameter(f"--compress must be one of {', '.join(COMPRESSIONS)}")
-    if net.reads_features:
-        raise IncompatibleDraft(
-            "this draft reads the target's hidden states; Core ML packages of such drafts are "
-            "not supported yet (export a draft trained with `distill --features none`, or run "
-            "this one with MLX)")
     weights = draft_weights(net)
     path = Path(source).expanduser()
     spec = PackageSpec(net.config, context, query_sizes(max_branch_tokens),
@@ -65,9 +59,8 @@ def convert(spec: PackageSpec, weights: dict[str, np.ndarray], out: str | Path,
     module = ANEDraft(spec, weights)
     progress.advance(1, "tracing")
     s_max = max(spec.query_sizes)
-    example = tuple(torch.zeros(spec.input_shape(n, s_max),
-                                dtype=torch.int32 if n == "write_pos" else torch.float32)
-                    for n in INPUTS)
+    example = tuple(torch.from_numpy(np.zeros(spec.input_shape(n, s_max), spec.input_dtype(n)))
+                    for n in spec.inputs)
     with torch.no_grad(), warnings.catch_warnings():
         # torch 2.13 deprecates jit.trace; coremltools' tested path for states is TorchScript.
         warnings.filterwarnings("ignore", category=DeprecationWarning)
@@ -84,7 +77,7 @@ def convert(spec: PackageSpec, weights: dict[str, np.ndarray], out: str | Path,
     model = ct.convert(
         traced,
         convert_to="mlprogram",
-        inputs=[enumerated(n) for n in INPUTS],
+        inputs=[enumerated(n) for n in spec.inputs],
         outputs=[ct.TensorType(n, dtype=np.float16) for n in spec.outputs],
         states=[ct.StateType(wrapped_type=ct.TensorType(shape=spec.state_shape(n),
                                                         dtype=np.float16), name=n)

@@ -23,7 +23,6 @@ from pathlib import Path
 from mirror_mlx.draft.coreml_draft import read_package_spec
 from mirror_mlx.draft.coreml_package import (
     INPUT_HOLD_S,
-    INPUTS,
     STATES,
     PackageSpec,
     weights_sha256,
@@ -82,15 +81,17 @@ class ReferenceModel:
         for name, tensor in state.tensors.items():
             setattr(self.module, name, tensor)  # the module writes the state in place
         with torch.no_grad():
-            outputs = self.module(*(torch.from_numpy(inputs[name]) for name in INPUTS))
+            outputs = self.module(*(torch.from_numpy(inputs[name])
+                                    for name in self.spec.inputs))
         return {name: out.numpy().astype(np.float32)
                 for name, out in zip(self.spec.outputs, outputs)}
 
     def _check(self, inputs: dict[str, np.ndarray]) -> None:
-        if set(inputs) != set(INPUTS):
-            raise RuntimeError(f"inputs {sorted(inputs)} are not the model's {sorted(INPUTS)}")
+        if set(inputs) != set(self.spec.inputs):
+            raise RuntimeError(f"inputs {sorted(inputs)} are not the model's "
+                               f"{sorted(self.spec.inputs)}")
         for name, value in inputs.items():
-            want = np.int32 if name == "write_pos" else np.float32
+            want = self.spec.input_dtype(name)
             if not isinstance(value, np.ndarray) or value.dtype != want:
                 raise RuntimeError(f"Error: value type not convertible ({name}: "
                                    f"{getattr(value, 'dtype', type(value))}, want {want})")

@@ -142,9 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export-draft", help="export a draft to a Core ML package for the "
                                             "Neural Engine (needs the export extra)")
     p.add_argument("--model", default=None, help="the target the draft serves (as for generate)")
-    p.add_argument("--draft", default="default-tokens",
-                   help="the draft (as for generate); a draft that reads the target's features "
-                        "cannot be exported yet, so the default is 'default-tokens'")
+    p.add_argument("--draft", default=None,
+                   help="the draft (as for generate; default: the model's default draft)")
     p.add_argument("--out", required=True, help="the package to write, X.mlpackage")
     p.add_argument("--context", type=int, default=2048,
                    help="KV slots in the package's state (a multiple of 32)")

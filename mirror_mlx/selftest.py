@@ -1,9 +1,10 @@
 """`mirror-mlx doctor --selftest`: the real paths, end to end, in about a minute, and a report a
 user can paste into an issue.
 
-On a Mac: the default draft exported to Core ML and its predictions against the MLX draft,
-Mirror-SD greedy output with the Core ML draft against target-only decoding, how much drafting
-the target's forward hid, where Core ML runs each op, and a few seconds of energy. Elsewhere
+On a Mac: the default draft (it reads the target's features) exported to Core ML and its
+predictions against the MLX draft, Mirror-SD greedy output with the Core ML draft against
+target-only decoding, how much drafting the target's forward hid, where Core ML runs each op,
+and a few seconds of energy. Elsewhere
 the same Core ML checks run the package's reference executor (the PyTorch module it was
 converted from) where torch is installed, and say so; what cannot run is reported as skipped,
 with the reason. Each check reports ok, FAIL or skipped, never a number it did not measure.
@@ -20,7 +21,22 @@ from pathlib import Path
 
 import numpy as np
 
+from .api import Engine
+from .draft.coreml_draft import (
+    CoreMLDrafter,
+    CoreMLExecutor,
+    compiled_package,
+    mlx_embedding,
+    read_package_spec,
+)
+from .draft.coreml_package import FORMAT, draft_weights, weights_sha256
+from .draft.load import load_draft
+from .draft.mlx_draft import MLXExecutor
+from .draft.rollout import OWN, TARGET, ZERO, FeatureRefs
+from .measure.energy import measure, open_meter
+from .models.load import load
 from .platform import cache_dir, coreml_status, machine_info
+from .train.feature import target_features
 
 PROMPTS = ("Write one sentence about the sea.", "List three prime numbers and explain why.")
 MAX_TOKENS = 24
@@ -78,7 +94,7 @@ class Selftest:
         for name, check in (
             ("target-only greedy (MLX)", self.target_only),
             ("Mirror-SD greedy identity, MLX draft", self.mirror_mlx_draft),
-            ("Core ML export of the default token draft", self.export),
+            ("Core ML export of the default draft", self.export),
             ("Core ML draft predictions vs MLX draft", self.parity),
             ("Mirror-SD greedy identity, Core ML draft", self.mirror_coreml_draft),
             ("Core ML op placement", self.placement),
@@ -89,9 +105,6 @@ class Selftest:
         return checks
 
     def target_only(self) -> str:
-        from .api import Engine
-        from .models.load import load
-
         self.target = load(None, quiet=True)
         engine = Engine(self.target)
         results = [engine.generate(p, max_tokens=MAX_TOKENS) for p in PROMPTS]
@@ -101,8 +114,6 @@ class Selftest:
         return f"{len(PROMPTS)} prompts, {rate:.1f} tok/s decoding"
 
     def _mirror(self, draft) -> str:
-        from .api import Engine
-
         if self.target is None:
             raise Skip("the target did not load")
         engine = Engine(self.target, mode="mirror", draft=draft)
@@ -133,41 +144,35 @@ class Selftest:
             from coreml_export.reference import ReferenceModel
         except ImportError as e:
             raise Skip(f"needs the export extra: pip install 'mirror-mlx[export]' ({e})") from e
-        from .draft.coreml_draft import read_package_spec
-        from .draft.coreml_package import draft_weights, weights_sha256
-        from .draft.load import load_draft
-
         if self.target is None:
             raise Skip("the target did not load")
-        net = load_draft("default-tokens", self.target)
+        net = load_draft("default", self.target)
         weights = draft_weights(net)
         digest = weights_sha256(weights)[:16]
-        out = cache_dir() / "selftest" / f"default-tokens-{digest}-{CONTEXT}.mlpackage"
+        layout = FORMAT.rsplit("/", 1)[1]  # a package of another layout is made again
+        out = cache_dir() / "selftest" / f"default-{digest}-{CONTEXT}-{layout}.mlpackage"
         made = "reused"
         if not out.is_dir():
             out.parent.mkdir(parents=True, exist_ok=True)
-            export_draft(net, out, source="default-tokens", context=CONTEXT,
+            part = out.with_name(f"{out.stem}.part.mlpackage")  # an interrupted export is not kept
+            export_draft(net, part, source="default", context=CONTEXT,
                          max_branch_tokens=MAX_BRANCH_TOKENS, quiet=True)
+            part.rename(out)
             made = "exported"
         self.package = out
+        spec = read_package_spec(out)
         if ok:
             import coremltools as ct
 
-            from .draft.coreml_draft import compiled_package
-
-            spec = read_package_spec(out)
             self.runtime_name = "Core ML (CPU_AND_NE)"
             self.make_runtime = lambda: ct.models.CompiledMLModel(
                 str(compiled_package(out)), compute_units=ct.ComputeUnit[spec.compute_units])
         else:
-            spec = read_package_spec(out)
             self.runtime_name = f"the reference executor, not Core ML ({why})"
             self.make_runtime = lambda: ReferenceModel(spec, weights)
         return f"{made} {out}"
 
     def _executor(self):
-        from .draft.coreml_draft import CoreMLExecutor, mlx_embedding, read_package_spec
-
         if self.make_runtime is None:
             raise Skip("no package (see the export check)")
         spec = read_package_spec(self.package)
@@ -175,18 +180,20 @@ class Selftest:
         return CoreMLExecutor(self.make_runtime(), spec, embed)
 
     def parity(self) -> str:
-        from .draft.load import load_draft
-        from .draft.mlx_draft import MLXExecutor
-
         coreml = self._executor()
-        mlx_ex = MLXExecutor(load_draft("default-tokens", self.target))
+        net = load_draft("default", self.target)
         tokens = self.target.tokenizer.encode(" ".join(PROMPTS))
+        n = len(tokens)
+        prompt = last = None
+        if net.reads_features:  # token p reads the target's features after p - 1, then its own
+            rows = target_features(self.target, [np.array(tokens)], net.config.feature_layers)
+            prompt = FeatureRefs([ZERO] + [TARGET] * (n - 1), [0, *range(n - 1)],
+                                 list(rows[0][: n - 1].astype(np.float32)))
+            last = FeatureRefs([OWN], [n - 1], [])
         pairs = []
-        for ex in (mlx_ex, coreml):
-            ex.truncate(0)
-            rows = list(range(len(tokens)))
-            whole = ex.forward(tokens, 0, None, rows)  # split into several calls by the package
-            one = ex.forward(tokens[-1:], len(tokens), None, [0])  # then one token
+        for ex in (MLXExecutor(net), coreml):
+            whole = ex.forward(tokens, 0, None, list(range(n)), prompt)  # several predicts
+            one = ex.forward(tokens[-1:], n, None, [0], last)  # then one token
             pairs.append(np.concatenate([whole, one])[:, 0])
         a, b = pairs
         diff = float(np.abs(a - b).max())
@@ -198,8 +205,6 @@ class Selftest:
         return detail
 
     def mirror_coreml_draft(self) -> str:
-        from .draft.coreml_draft import CoreMLDrafter
-
         return self._mirror(CoreMLDrafter(self._executor())) + f" (through {self.runtime_name})"
 
     def placement(self) -> str:
@@ -218,9 +223,6 @@ class Selftest:
         return detail
 
     def energy(self) -> str:
-        from .api import Engine
-        from .measure.energy import measure, open_meter
-
         choice = open_meter("auto")
         if not choice.available:
             raise Skip(choice.note)

@@ -24,7 +24,7 @@ def test_selftest_report_off_macos():
     assert status == {
         "target-only greedy": "ok",
         "Mirror-SD greedy identity, MLX draft": "ok",
-        "Core ML export of the default token draft": "ok",
+        "Core ML export of the default draft": "ok",
         "Core ML draft predictions vs MLX draft": "ok",
         "Mirror-SD greedy identity, Core ML draft": "ok",
         "Core ML op placement": "skipped",

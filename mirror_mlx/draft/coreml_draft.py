@@ -34,15 +34,15 @@ from ..models.load import LoadedModel
 from ..platform import cache_dir
 from .base import Job, JobResult
 from .coreml_package import (
+    FEATURE_INPUTS,
     INPUT_HOLD_S,
-    INPUTS,
     MASK_VALUE,
     STATES,
     PackageSpec,
     rope_tables,
 )
 from .load import vocab_fingerprint
-from .rollout import TreeState, run_job
+from .rollout import FED, OWN, TARGET, FeatureRefs, TreeState, run_job
 
 
 class CoreMLUnavailable(ModelLoadError):
@@ -66,9 +66,14 @@ class CoreMLExecutor:
         self.vocab_size = c.vocab_size
         self.head_ids = np.array(c.head_tokens or range(c.vocab_size), dtype=np.int32)
         self.streams = 0
-        self.reads_features = False  # export refuses feature-conditioned drafts (convert.py)
+        self.reads_features = spec.reads_features
         self.state = runtime.make_state()
         self.size = 0  # slots in use; those beyond hold stale or padding entries, never read
+        # Per slot, a feature-conditioned draft's last-layer output (the next token's feature
+        # where the target's is not known) and the feature the slot was fed (as MLXExecutor).
+        width = c.hidden_size if self.reads_features else 0
+        self.own = np.zeros((spec.context, width), np.float32)
+        self.fed = np.zeros((spec.context, width), np.float32)
         self._inputs = {s: deque() for s in spec.query_sizes}  # (last given, inputs), oldest first
 
     def _take_inputs(self, s: int) -> dict[str, np.ndarray]:
@@ -81,9 +86,8 @@ class CoreMLExecutor:
         if ring and now - ring[0][0] >= INPUT_HOLD_S:
             inputs = ring.popleft()[1]
         else:
-            inputs = {name: np.zeros(self.spec.input_shape(name, s),
-                                     np.int32 if name == "write_pos" else np.float32)
-                      for name in INPUTS}
+            inputs = {name: np.zeros(self.spec.input_shape(name, s), self.spec.input_dtype(name))
+                      for name in self.spec.inputs}
         ring.append((now, inputs))
         return inputs
 
@@ -101,6 +105,8 @@ class CoreMLExecutor:
                 cache = self.state.read_state(name)
                 cache[:, dst : dst + n] = cache[:, src]
                 self.state.write_state(name, cache)
+            self.own[dst : dst + n] = self.own[src]
+            self.fed[dst : dst + n] = self.fed[src]
         self.size = dst + n
 
     def forward(self, tokens, positions, mask, rows, features=None) -> np.ndarray:
@@ -117,10 +123,20 @@ class CoreMLExecutor:
         if mask is None:  # causal over the whole cache
             mask = np.arange(start + n)[None, :] <= start + np.arange(n)[:, None]
         out = np.zeros((len(rows), c.head_size), np.float32)
+        if features is not None:
+            kinds, refs = np.array(features.kinds), np.array(features.refs)
+            # FED reads what slots were fed before this call overwrites them: read it first.
+            refed = {i: self.fed[refs[i]].copy() for i in np.flatnonzero(kinds == FED)}
         done = 0
         while done < n:
             s = self._query_size(n - done, L - start - done)
             take = min(s, n - done)
+            if features is not None:
+                # A token that reads the own output of one fed in this call waits for it.
+                waits = [i for i in range(done + 1, done + take)
+                         if kinds[i] == OWN and refs[i] >= start + done]
+                take = (waits[0] if waits else done + take) - done
+                s = self._query_size(take, L - start - done)
             inputs = self._take_inputs(s)
             part = slice(done, done + take)
             inputs["embeds"][0, :, 0, :take] = embeds[part].T
@@ -132,14 +148,39 @@ class CoreMLExecutor:
             # Padding tokens (take..s) attend nowhere and are written past the end: harmless.
             inputs["embeds"][..., take:] = 0.0
             inputs["write_pos"][0] = start + done
+            if features is not None:
+                self._feature_inputs(inputs, features, kinds, refs, refed, done, take)
             result = self.runtime.predict(inputs, self.state)
             mine = [(i, r - done) for i, r in enumerate(rows) if done <= r < done + take]
             if mine:
-                logits = np.concatenate([result[name][0, :, 0, :] for name in self.spec.outputs])
+                logits = np.concatenate([result[name][0, :, 0, :]
+                                         for name in self.spec.outputs
+                                         if name.startswith("logits_")])
                 out[[i for i, _ in mine]] = logits[:, [j for _, j in mine]].T
+            if features is not None:
+                written = slice(start + done, start + done + take)
+                self.own[written] = result["top"][0, :, 0, :take].T
+                self.fed[written] = result["fed"][0, :, 0, :take].T
             done += take
         self.size = start + n
         return out[:, None]  # no speculative streams in a package: one token per row
+
+    def _feature_inputs(self, inputs, features: FeatureRefs, kinds, refs, refed, done: int,
+                        take: int) -> None:
+        """Each token's feature for tokens done..done + take (padding after them reads
+        nothing): the target's rows, or the vector the host keeps for it."""
+        target, own, choose = (inputs[n][0, :, 0] for n in FEATURE_INPUTS)
+        target.fill(0.0)
+        own.fill(0.0)
+        choose.fill(0.0)
+        for j, i in enumerate(range(done, done + take)):
+            if kinds[i] == TARGET:
+                target[:, j] = features.target[refs[i]]
+                choose[0, j] = 1.0
+            elif kinds[i] == OWN:
+                own[:, j] = self.own[refs[i]]
+            elif kinds[i] == FED:
+                own[:, j] = refed[i]
 
     def _query_size(self, want: int, room: int) -> int:
         """The smallest enumerated length that holds `want` tokens, or the largest that fits
@@ -169,7 +210,7 @@ class CoreMLDrafter:
         self.context = executor.spec.context  # the most tokens the draft's cache holds
         self.head_ids = executor.head_ids  # the tokens its head scores
         self.compute = "coreml"  # on the units the package names (the Neural Engine), not MLX's
-        self.feature_layers = ()
+        self.feature_layers = tuple(executor.spec.config.feature_layers)
         self.top_k = top_k
         self._executor = executor
         self._state = TreeState()

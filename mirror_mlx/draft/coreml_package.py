@@ -16,6 +16,18 @@ of the enumerated sizes):
   outputs  logits_0 .. logits_{c-1}  fp16 (1, V_i, 1, S): the head's scores in chunks of at
            most MAX_DIM rows, in head order
 
+A draft that reads the target's features (DraftConfig.feature_layers, K layers of width F) has
+three more inputs and two more outputs. Each token's feature is either the target's (its hidden
+states at the K layers, fused inside the package) or a vector the host keeps (the draft's own
+output at an earlier slot, or what a slot was fed), as draft/rollout.py's FeatureRefs say:
+
+  inputs   target_features float32 (1, K * F, 1, S)  the target's K hidden states, concatenated
+           own_features    float32 (1, H, 1, S)      the host's feature vector
+           from_target     float32 (1, 1, 1, S)      1: read target_features, 0: own_features
+  outputs  top   fp16 (1, H, 1, S)  the last layer's output before the final norm: the next
+                                    token's feature where the target's is not known
+           fed   fp16 (1, H, 1, S)  the feature each token was fed (to feed it again later)
+
 The embedding lookup happens on the host, in MLX, from the target's own table: the draft reads
 the target's embedding (49152 x 576 for the default target), so doing the lookup in the package
 would duplicate 56 MB of weights and put a large gather on the Neural Engine. The draft's own
@@ -46,6 +58,8 @@ MAX_DIM = 16384  # the Neural Engine's practical limit on any one dimension (APP
 STATE_ALIGN = 32
 MASK_VALUE = -1e4  # fp16-safe "minus infinity": a fully masked (padding) row stays finite
 INPUTS = ("embeds", "rope_cos", "rope_sin", "mask", "write_pos")
+FEATURE_INPUTS = ("target_features", "own_features", "from_target")
+FEATURE_OUTPUTS = ("top", "fed")
 # Core ML keeps an input's memory bound after predict returns and releases it about a second
 # later on a queue of its own (APPLE_APIS fact 2): an input must stay untouched, and
 # alive, this long after the call that was given it.
@@ -92,14 +106,29 @@ class PackageSpec:
         return self.config.num_layers * self.config.num_kv_heads
 
     @property
+    def reads_features(self) -> bool:
+        return bool(self.config.feature_layers)
+
+    @property
+    def inputs(self) -> tuple[str, ...]:
+        return INPUTS + FEATURE_INPUTS if self.reads_features else INPUTS
+
+    @property
     def outputs(self) -> list[str]:
-        return [f"logits_{i}" for i in range(len(head_chunks(self.config.head_size)))]
+        logits = [f"logits_{i}" for i in range(len(head_chunks(self.config.head_size)))]
+        return logits + list(FEATURE_OUTPUTS) if self.reads_features else logits
 
     def input_shape(self, name: str, s: int) -> tuple[int, ...]:
         c = self.config
         return {"embeds": (1, c.embed_size, 1, s), "rope_cos": (1, c.head_dim, 1, s),
                 "rope_sin": (1, c.head_dim, 1, s), "mask": (1, self.context, 1, s),
-                "write_pos": (1,)}[name]
+                "write_pos": (1,),
+                "target_features": (1, len(c.feature_layers) * c.feature_size, 1, s),
+                "own_features": (1, c.hidden_size, 1, s), "from_target": (1, 1, 1, s)}[name]
+
+    @staticmethod
+    def input_dtype(name: str) -> type:
+        return np.int32 if name == "write_pos" else np.float32
 
     def state_shape(self, name: str) -> tuple[int, ...]:
         return (self.kv_heads, self.context, 1, self.config.head_dim)
@@ -119,8 +148,8 @@ class PackageSpec:
                                    "Engine fails on other state sizes")
         if max(self.query_sizes) > self.context:
             raise InvalidParameter("max-branch-tokens cannot exceed the context")
-        if max(c.embed_size, c.hidden_size, c.intermediate_size,
-               c.num_heads * c.head_dim) > MAX_DIM:
+        if max(c.embed_size, c.hidden_size, c.intermediate_size, c.num_heads * c.head_dim,
+               len(c.feature_layers) * c.feature_size) > MAX_DIM:
             raise ModelLoadError(f"a draft wider than {MAX_DIM} does not fit the Neural Engine")
 
     def to_metadata(self) -> dict[str, str]:

@@ -71,6 +71,26 @@ def test_mirror_through_coreml_backend_equals_greedy(target, reference_tokens, s
     drafter.close()
 
 
+def test_feature_draft_through_coreml_backend_equals_greedy(target, reference_tokens):
+    """The shipped draft reads the target's features: through the package contract, Mirror-SD
+    feeds it the prefix's features, the exit layer's for branch rollouts, and its own; it
+    drafts as well as the same draft in MLX (one fed wrong features would agree by chance)."""
+    net = load_draft("default", target)
+    settings = DecodeSettings("mirror", 4, MirrorConfig(kappa=8, exit_layer=25, budget=4))
+    accepted = {}
+    for name, drafter in (("mlx", MLXDrafter(net)), ("coreml", reference_drafter(net))):
+        assert drafter.feature_layers == (3, 15, 25)
+        session = Session(target, None, drafter, settings)
+        accepted[name] = 0
+        for ids, expected in reference_tokens:
+            session.reset()
+            chunks = list(session.generate(ids, max_tokens=MAX_TOKENS))
+            assert [t for chunk in chunks for t in chunk.token_ids] == expected
+            accepted[name] += chunks[-1].stats.accepted_tokens
+        drafter.close()
+    assert accepted["mlx"] > 0 and accepted["coreml"] >= 0.8 * accepted["mlx"], accepted
+
+
 def test_vanilla_sd_waits_on_futures_without_run_pending(target, reference_tokens, self4):
     """The vanilla decoder never calls run_pending: waiting on a job runs the queue."""
     drafter = reference_drafter(self4)

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from mirror_mlx.cli import main
 from mirror_mlx.draft.coreml_package import (
+    FEATURE_INPUTS,
     INPUTS,
     META,
     PackageSpec,
@@ -14,13 +15,14 @@ from mirror_mlx.draft.coreml_package import (
     source_sha256,
     weights_sha256,
 )
+from mirror_mlx.draft.net import DraftNet
 from mirror_mlx.errors import InvalidParameter, ModelLoadError
 from mirror_mlx.platform import coreml_can_run
 
 import coremltools as ct
 import pytest
 
-from coreml_export.convert import compress
+from coreml_export.convert import compress, export_draft
 from coreml_export.inspect import inspect_package
 from coreml_export.reference import ReferenceModel
 from tests.coreml.conftest import CONTEXT
@@ -128,3 +130,23 @@ def test_state_sizes_the_neural_engine_runs(small_draft, capsys):
 def test_packages_of_another_layout_are_refused():
     with pytest.raises(ModelLoadError, match="another mirror-mlx version.*export it again"):
         PackageSpec.from_metadata({META + "format": "mirror-mlx-coreml-draft/1"})
+
+
+def test_feature_draft_package_contract(target, small_draft, tmp_path):
+    """A draft that reads the target's features exports with three more inputs (the target's
+    hidden states, the host's own feature, which of the two) and two more outputs."""
+    config = replace(small_draft.config, num_layers=1, feature_layers=[3, 15, 25],
+                     feature_size=576, head_tokens=small_draft.config.head_tokens[:4096])
+    net = DraftNet(config)
+    net.embed_tokens = target.model.model.embed_tokens
+    spec = export_draft(net, tmp_path / "f.mlpackage", context=64, max_branch_tokens=2,
+                        quiet=True)
+    report = inspect_package(tmp_path / "f.mlpackage")
+    shapes = {name: (dtype, shape) for name, dtype, shape in report.inputs}
+    assert [name for name, _, _ in report.inputs] == list(INPUTS + FEATURE_INPUTS)
+    assert shapes["target_features"] == ("FLOAT32", [(1, 3 * 576, 1, s) for s in (1, 2)])
+    assert shapes["own_features"] == ("FLOAT32", [(1, 128, 1, s) for s in (1, 2)])
+    assert shapes["from_target"] == ("FLOAT32", [(1, 1, 1, s) for s in (1, 2)])
+    assert report.outputs == [("logits_0", "FLOAT16"), ("top", "FLOAT16"), ("fed", "FLOAT16")]
+    assert ReferenceModel.for_package(tmp_path / "f.mlpackage", draft_weights(net)).spec == spec
+    assert report.warnings == []

@@ -13,6 +13,8 @@ from mirror_mlx.draft.coreml_package import draft_weights, query_sizes
 from mirror_mlx.draft.load import load_draft
 from mirror_mlx.draft.mlx_draft import MLXExecutor
 from mirror_mlx.draft.net import DraftNet
+from mirror_mlx.draft.rollout import FED, OWN, TARGET, ZERO, FeatureRefs
+from mirror_mlx.train.feature import target_features
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -104,6 +106,40 @@ def scenario(mlx_ex, other, tok, check) -> None:
     for ex in pair:
         ex.gather(starts[1], second)
     check(*both([5], starts[1] + len(second), None, [0]))
+
+
+def test_feature_draft_matches_mlx(target):
+    """The shipped draft reads the target's hidden states: the package takes them (and its own
+    outputs, fed back by the host) as inputs. Every kind of feature a rollout feeds, through
+    calls the package must split: the target's over a long prefill, the draft's own output
+    chained within one call, a slot's earlier feature fed again, and after slots move."""
+    net = load_draft("default", target)
+    assert net.reads_features
+    mlx_ex, ref = executors(net)
+    pair = (mlx_ex, ref)
+    C = target.tokenizer.encode(PROMPTS[0] + " " + PROMPTS[1])
+    n = len(C)
+    rows = target_features(target, [np.array(C)], net.config.feature_layers)[0]
+    rows = rows.astype(np.float32)
+
+    def both(tokens, positions, mask, out_rows, kinds, refs, target_rows=()):
+        features = FeatureRefs(list(kinds), list(refs), [rows[i] for i in target_rows])
+        return [ex.forward(tokens, positions, mask, out_rows, features) for ex in pair]
+
+    # The prompt: token p reads the target's features after p - 1 (none for the first).
+    close(*both(C, 0, None, [n - 1], [ZERO] + [TARGET] * (n - 1), [0, *range(n - 1)],
+                 range(n - 1)))
+    # Three drafted tokens in one call, each reading the draft's own output before it.
+    close(*both([11, 12, 13], n, None, [0, 1, 2], [OWN] * 3, [n - 1, n, n + 1]))
+    # A token fed again at a new slot, with what slot n - 2 was fed (the target's features).
+    close(*both([C[-2]], n + 3, None, [0], [FED], [n - 2]))
+    # The drafted tokens' slots move back beside the prompt; a token reads the last one's own.
+    for ex in pair:
+        ex.gather(n, [n, n + 1])
+    close(*both([14], n + 2, None, [0], [OWN], [n + 1]))
+    size = n + 3
+    mine = np.array(mlx_ex.own[:size])
+    assert np.abs(mine - ref.own[:size]).max() <= 1e-2 * np.abs(mine).max()
 
 
 def test_query_sizes():
