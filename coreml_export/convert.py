@@ -44,6 +44,10 @@ def package_spec(net: DraftNet, context: int, max_branch_tokens: int, source: st
             "this draft reads the target's hidden states; Core ML packages of such drafts are "
             "not supported yet (export a draft trained with `distill --features none`, or run "
             "this one with MLX)")
+    if net.unlike_llama:
+        raise IncompatibleDraft(
+            "the Core ML draft computes the plain llama form; this draft has "
+            f"{', '.join(net.unlike_llama)} (run it with MLX instead)")
     weights = draft_weights(net)
     path = Path(source).expanduser()
     spec = PackageSpec(net.config, context, query_sizes(max_branch_tokens),
