@@ -341,6 +341,10 @@ class DraftNet(nn.Module):
         net._embed_scale = split.embed_scale(model)
         net._logit_cap = getattr(model, "final_logit_softcapping", None) or 0.0
         net._unlike = unlike_llama(model, config)
+        # A scaled rope's frequency table is no parameter, and stays lazy until evaluated: here,
+        # since the draft may run in another thread, where this thread's stream does not exist.
+        mx.eval([v for layer in net.layers for v in layer.self_attn.rope.values()
+                 if isinstance(v, mx.array)], net._embed_scale)
         return net
 
     def save(self, folder: str | Path, bits: int | None = None) -> None:

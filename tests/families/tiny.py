@@ -34,10 +34,12 @@ FAMILIES = {
     "qwen3": ("qwen3", dict(model_type="qwen3", head_dim=32, tie_word_embeddings=True,
                             rope_theta=1e6)),
     "phi3": ("phi3", dict(model_type="phi3", partial_rotary_factor=0.5,
-                          rope_scaling={"type": "linear", "factor": 2.0, "long_factor": 1.0})),
-    "gemma2": ("gemma2", dict(model_type="gemma2", head_dim=16, query_pre_attn_scalar=16.0)),
+                          original_max_position_embeddings=4096,
+                          rope_scaling={"type": "longrope", "short_factor": [1.0] * 4,
+                                        "long_factor": [1.0, 2.0, 4.0, 8.0]})),
+    "gemma2": ("gemma2", dict(model_type="gemma2", head_dim=16, query_pre_attn_scalar=16)),
     "gemma3_text": ("gemma3_text", dict(model_type="gemma3_text", head_dim=16,
-                                        query_pre_attn_scalar=16.0, sliding_window=6,
+                                        query_pre_attn_scalar=16, sliding_window=6,
                                         sliding_window_pattern=2, rope_theta=1e6)),
 }
 
