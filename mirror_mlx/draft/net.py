@@ -6,9 +6,8 @@ It reads the target's token embedding (shared, not stored), may be narrower than
 LM head dominates a small draft's cost: PLATFORM.md). A model of the families models/split.py
 knows (the target's first layers, or an mlx-lm / GGUF model) converts into this form with
 `DraftNet.from_model`, sharing its modules: its own rope (scaled or partial), qk-norm, fused
-qkv projection, gemma's sandwich norms, embedding scale and logit soft-capping come along.
-Sliding windows do not: a converted draft's layers attend to their whole context, which changes
-what it guesses past the window, never what the target verifies.
+qkv projection, gemma's sandwich norms, embedding scale, logit soft-capping and sliding
+windows come along.
 
 A feature-conditioned draft (EAGLE-3's idea; `feature_layers` set) also reads the target's own
 hidden states: token t enters as its embedding mixed with a feature vector, the target's
@@ -105,6 +104,15 @@ def capped_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask,
     return mx.softmax(scores, axis=-1, precise=True) @ v
 
 
+def windowed(mask, queries: int, keys: int, window: int) -> mx.array:
+    """`mask` narrowed to a sliding window: each query sees its last `window` visible keys. Those
+    are the positions of its window, as the draft's cache holds each position from 0 up once
+    along every query's path (the prefix, then its branch), in order."""
+    if mask is None or isinstance(mask, str):
+        return create_causal_mask(queries, keys - queries, window_size=window)
+    return mask & (mx.cumsum(mask.astype(mx.int32), axis=-1, reverse=True) <= window)
+
+
 class Attention(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
@@ -112,6 +120,7 @@ class Attention(nn.Module):
         self.rope = nn.RoPE(c.head_dim, traditional=False, base=c.rope_theta)
         self.scale = c.head_dim**-0.5
         self.softcap = 0.0  # attention logit soft-capping (gemma 2), 0: none
+        self.window = 0  # sliding window (some layers of gemma 3, some llamas), 0: none
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
@@ -132,6 +141,8 @@ class Attention(nn.Module):
         v = v.reshape(B, T, self.n_kv, -1).transpose(0, 2, 1, 3)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
+        if self.window:
+            mask = windowed(mask, T, k.shape[2], self.window)
         if self.softcap:
             out = capped_attention(q, k, v, self.scale, mask, self.softcap)
         else:
@@ -336,8 +347,10 @@ class DraftNet(nn.Module):
         net.norm = model.model.norm
         if not tied:
             net.head = model.lm_head
-        for mine, theirs in zip(net.layers, model.model.layers[:n]):
+        for mine, theirs, window in zip(net.layers, model.model.layers[:n],
+                                        split.layer_windows(model)):
             mine.adopt(theirs)
+            mine.self_attn.window = window or 0
         net._embed_scale = split.embed_scale(model)
         net._logit_cap = getattr(model, "final_logit_softcapping", None) or 0.0
         net._unlike = unlike_llama(model, config)
@@ -431,13 +444,14 @@ def unlike_llama(model: nn.Module, config: DraftConfig) -> tuple[str, ...]:
     found = {
         f"{type(rotate).__name__} rope (scaled, partial or per layer)": not plain_rope,
         "a fused qkv projection": "qkv_proj" in attn,
-        "attention biases": "q_proj" in attn and "bias" in attn.q_proj,
+        "biases": any(k.endswith(".bias") for k, _ in tree_flatten(layer.parameters())),
         "qk-norm": "q_norm" in attn,
         "an attention scale other than 1/sqrt(head_dim)": attn.scale != config.head_dim**-0.5,
         "gemma's norms, MLP and embedding scale": kind.startswith("gemma"),
         "attention logit soft-capping": bool(getattr(attn, "attn_logit_softcapping", None)),
         "final logit soft-capping": bool(getattr(model, "final_logit_softcapping", None)),
         "a fused gate/up projection": "gate_up_proj" in layer.mlp,
+        "sliding-window layers": any(split.layer_windows(model)),
     }
     return tuple(what for what, present in found.items() if present)
 

@@ -1,7 +1,7 @@
 """The target's forward pass split at an exit layer, and the early-exit readout.
 
 `prefix` + `suffix` computes exactly what mlx-lm's own forward computes (same modules, same
-mask), so verification through the split is the target itself. The exit readout turns the
+masks), so verification through the split is the target itself. The exit readout turns the
 hidden state after layer l_e into top-kappa token guesses: optionally through a trained exit
 head (a tuned lens: one linear map), then the shared final norm and LM head.
 """
@@ -22,7 +22,7 @@ from ..errors import ModelLoadError
 # The families whose forward this module reproduces layer by layer. Besides the llama layout
 # (model.model.embed_tokens / layers / norm, each layer called as layer(h, mask, cache)), each
 # may scale its embeddings, give some layers a sliding window, and soft-cap its logits: see
-# `embed_scale`, `layer_windows` and `final_logits`, which follow each family's Model.__call__
+# `embed_scale`, `layer_windows` and `soft_cap`, which follow each family's Model.__call__
 # in mlx-lm. "mistral" is mlx-lm's llama under another name.
 SPLIT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
 

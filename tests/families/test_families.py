@@ -13,7 +13,9 @@ from mirror_mlx.models import split
 from mirror_mlx.models.load import LoadedModel
 
 import mlx.core as mx
+import numpy as np
 import pytest
+from mlx_lm.models.cache import KVCache
 
 from coreml_export.convert import package_spec
 from tests.families.tiny import FAMILIES, save, tiny
@@ -21,9 +23,6 @@ from tests.families.tiny import FAMILIES, save, tiny
 # Longer than the tiny models' sliding windows (6 tokens), so windows matter.
 PROMPT = [1, 504, 3125, 30, 7382, 281, 260, 3429, 28, 665, 1670, 314, 253, 5728, 30, 1115]
 MAX_TOKENS = 12
-# A draft's layers attend to their whole context (draft/net.py): past the window, a sliding
-# family's converted layers are no longer the target's, and its drafts are rejected.
-SLIDING = ("llama-sliding", "gemma3_text")
 SD = dict(mode="sd", gamma=3)
 MIRROR = dict(mode="mirror", gamma=3, kappa=4, branch_budget=2, exit_layer=2)
 
@@ -53,7 +52,7 @@ def test_family_decoders_agree(family, tokenizer, tmp_path):
         with Engine(target, draft=draft, lookup=False, **mode) as engine:
             result = engine.generate(PROMPT, max_tokens=MAX_TOKENS)
         assert result.token_ids == reference, (family, draft, mode)
-        if draft == "self:4" and family not in SLIDING:
+        if draft == "self:4":
             assert result.stats.target_steps < MAX_TOKENS / 2, family
 
 
@@ -70,15 +69,24 @@ def test_split_forward_is_the_model(family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_converted_draft_is_the_model(family):
-    """All layers converted, within the windows: the draft computes what the model does, at
-    contiguous and at explicit positions."""
+    """All layers converted, past the sliding windows: the draft computes what the model does,
+    at contiguous positions and as a branch of a tree (explicit positions and mask, beside a
+    sibling branch it must not see)."""
     model = tiny(family)
     net = DraftNet.from_model(model)
-    tokens = mx.array([PROMPT[:5]])
-    reference = model(tokens)
-    assert mx.allclose(net(tokens), reference, atol=1e-4)
-    positions = mx.array([[0, 1, 2, 3, 4]], dtype=mx.int32)
-    assert mx.allclose(net(tokens, positions), reference, atol=1e-4)
+    reference = model(mx.array([PROMPT]))
+    assert mx.allclose(net(mx.array([PROMPT])), reference, atol=1e-4)
+    cache = [KVCache() for _ in net.layers]
+    net(mx.array([PROMPT[:10]]), 0, "causal", cache)
+    # Tree: the sibling PROMPT[12] at position 10, then the branch PROMPT[10:] at 10, 11, ...
+    tokens = mx.array([PROMPT[12:13] + PROMPT[10:]])
+    positions = mx.array([[10] + list(range(10, 16))], dtype=mx.int32)
+    mask = np.zeros((7, 17), bool)  # keys: the 10 cached, the sibling, the branch
+    mask[:, :10] = True
+    mask[0, 10] = True
+    mask[1:, 11:] = np.tril(np.ones((6, 6), bool))
+    out = net(tokens, positions, mx.array(mask)[None, None], cache)
+    assert mx.allclose(out[:, 1:], reference[:, 10:], atol=1e-4)
 
 
 def test_target_from_a_folder(tokenizer, tmp_path):
