@@ -7,7 +7,7 @@ from pathlib import Path
 
 from mirror_mlx.api import Engine
 from mirror_mlx.draft.load import load_draft
-from mirror_mlx.draft.net import DraftNet
+from mirror_mlx.draft.net import DraftNet, llama_source
 from mirror_mlx.errors import IncompatibleDraft, ModelLoadError
 from mirror_mlx.models import split
 from mirror_mlx.models.load import LoadedModel
@@ -132,3 +132,9 @@ def test_dynamic_rope_draft_is_refused(tokenizer):
         "rope_scaling": {"type": "dynamic", "factor": 2.0}})
     with pytest.raises(ModelLoadError, match="dynamic"):
         load_draft("self:1", loaded(llama.Model(args), tokenizer, "dynamic"))
+
+
+def test_distill_starts_from_the_plain_llama_form_only():
+    assert not llama_source(tiny("llama"), 2).unlike_llama
+    with pytest.raises(ModelLoadError, match="qk-norm"):
+        llama_source(tiny("qwen3"), 2)
