@@ -15,10 +15,11 @@ from mirror_mlx.models.load import LoadedModel
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models import gemma3
 from mlx_lm.models.cache import KVCache
 
 from coreml_export.convert import package_spec
-from tests.families.tiny import FAMILIES, save, tiny
+from tests.families.tiny import FAMILIES, VOCAB, config, save, tiny
 
 # Longer than the tiny models' sliding windows (6 tokens), so windows matter.
 PROMPT = [1, 504, 3125, 30, 7382, 281, 260, 3429, 28, 665, 1670, 314, 253, 5728, 30, 1115]
@@ -89,9 +90,13 @@ def test_converted_draft_is_the_model(family):
     assert mx.allclose(out[:, 1:], reference[:, 10:], atol=1e-4)
 
 
-def test_target_from_a_folder(tokenizer, tmp_path):
-    """Gemma 3 read from an mlx-lm folder, as a user gives it: Mirror-SD equals AR."""
-    folder = save(tiny("gemma3_text"), "gemma3_text", tmp_path / "gemma3", tokenizer)
+def test_gemma3_target_from_a_folder(tokenizer, tmp_path):
+    """Gemma 3 as mlx-community ships 4B and up (model type gemma3: the text model inside a
+    wrapper), read from an mlx-lm folder as a user gives it: Mirror-SD equals AR."""
+    settings = dict(model_type="gemma3", vocab_size=VOCAB, text_config=config("gemma3_text"))
+    model = gemma3.Model(gemma3.ModelArgs.from_dict(settings))
+    model.language_model = tiny("gemma3_text")
+    folder = save(model, "gemma3", tmp_path / "gemma3", tokenizer, settings)
     reference = Engine(str(folder)).generate(PROMPT, max_tokens=MAX_TOKENS).token_ids
     with Engine(str(folder), mode="mirror", draft="self:2", exit_layer=2) as engine:
         assert engine.generate(PROMPT, max_tokens=MAX_TOKENS).token_ids == reference

@@ -60,11 +60,13 @@ def tiny(family: str, layers: int = 4, seed: int = 0) -> nn.Module:
     return model
 
 
-def save(model: nn.Module, family: str, folder: Path, tokenizer) -> Path:
-    """Write `model` as an mlx-lm model folder with `tokenizer`'s files."""
+def save(model: nn.Module, family: str, folder: Path, tokenizer,
+         settings: dict | None = None) -> Path:
+    """Write `model` as an mlx-lm model folder with `tokenizer`'s files; `settings`: its
+    config.json when not the family's."""
     folder.mkdir(parents=True, exist_ok=True)
-    layers = len(model.layers)
-    (folder / "config.json").write_text(json.dumps(config(family, layers)))
+    settings = settings or config(family, len(model.layers))
+    (folder / "config.json").write_text(json.dumps(settings))
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
     tokenizer.save_pretrained(str(folder))
     return folder
