@@ -17,7 +17,7 @@ from mirror_mlx.draft.coreml_package import (
     weights_sha256,
 )
 from mirror_mlx.draft.net import DraftNet
-from mirror_mlx.errors import InvalidParameter
+from mirror_mlx.errors import IncompatibleDraft, InvalidParameter
 from mirror_mlx.progress import Progress
 
 import numpy as np
@@ -38,6 +38,10 @@ def package_spec(net: DraftNet, context: int, max_branch_tokens: int, source: st
     """The contract a package of `net` will have, and the weights it will hold."""
     if compress not in COMPRESSIONS:
         raise InvalidParameter(f"--compress must be one of {', '.join(COMPRESSIONS)}")
+    if net.unlike_llama:
+        raise IncompatibleDraft(
+            "the Core ML draft computes the plain llama form; this draft has "
+            f"{', '.join(net.unlike_llama)} (run it with MLX instead)")
     weights = draft_weights(net)
     path = Path(source).expanduser()
     spec = PackageSpec(net.config, context, query_sizes(max_branch_tokens),

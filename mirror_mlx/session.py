@@ -9,7 +9,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
 
 from .decode.autoregressive import autoregressive
 from .decode.length import DraftLength
@@ -82,7 +81,7 @@ class Session:
         self.context = min(context or target.context_length, target.context_length)
         if self.context < 2:
             raise InvalidParameter(f"context must be at least 2 tokens (got {self.context})")
-        self.cache = make_prompt_cache(target.model)
+        self.cache = split.make_cache(target.model)
         self.tokens: list[int] = []  # what the cache holds, position by position
         # Mirror-SD's plan per step; what it measures holds across the session's generations.
         self.scheduler = scheduler_for(drafter, self.settings.mirror.budget,

@@ -6,8 +6,8 @@
   decoding and a Core ML package can run), else "self:2";
 - "self:N": the target's first N layers with its final norm and LM head (shared weights);
 - a folder written by `mirror-mlx distill` (config.json with format "mirror-mlx-draft");
-- anything `models.load` reads (GGUF, mlx-lm folder, hub id): a llama-style model whose
-  tokenizer must equal the target's.
+- anything `models.load` reads (GGUF, mlx-lm folder, hub id): a model of a family
+  models/split.py knows, whose tokenizer must equal the target's.
 """
 
 from __future__ import annotations
@@ -51,14 +51,15 @@ def load_draft(spec: str | None, target: LoadedModel) -> DraftNet:
             n = 0
         if not 0 < n <= target.num_layers:
             raise ModelLoadError(f"draft '{spec}': N must be in 1..{target.num_layers}")
-        return DraftNet.from_llama(target.model, n, target_info(target))
+        return DraftNet.from_model(target.model, n, target_info(target))
     if Path(spec).is_dir() and DraftNet.is_draft_folder(Path(spec)):
         return load_folder(Path(spec), target)
     model = load(spec)
     check_same_vocabulary(model, target)
-    if getattr(model.model, "model_type", None) not in ("llama", "mistral", "qwen2", "qwen3"):
-        raise ModelLoadError(f"draft '{spec}': only llama-style drafts are supported")
-    return DraftNet.from_llama(model.model, target_info=target_info(target))
+    try:
+        return DraftNet.from_model(model.model, target_info=target_info(target))
+    except ModelLoadError as e:
+        raise ModelLoadError(f"draft '{spec}': {e}") from e
 
 
 def load_folder(folder: Path, target: LoadedModel, dtype: str = "auto") -> DraftNet:

@@ -3,8 +3,11 @@ attention mask, so one call can advance many branches laid out as a token tree.
 
 It reads the target's token embedding (shared, not stored), may be narrower than the target
 (an input projection bridges the widths), and may score only a subset of the vocabulary (the
-LM head dominates a small draft's cost: PLATFORM.md). A plain llama model (the target's first
-layers, or an mlx-lm / GGUF llama) converts into this form with `DraftNet.from_llama`.
+LM head dominates a small draft's cost: PLATFORM.md). A model of the families models/split.py
+knows (the target's first layers, or an mlx-lm / GGUF model) converts into this form with
+`DraftNet.from_model`, sharing its modules: its own rope (scaled or partial), qk-norm, fused
+qkv projection, gemma's sandwich norms, embedding scale, logit soft-capping and sliding
+windows come along.
 
 A feature-conditioned draft (EAGLE-3's idea; `feature_layers` set) also reads the target's own
 hidden states: token t enters as its embedding mixed with a feature vector, the target's
@@ -23,8 +26,11 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
+from mlx_lm.models.base import create_causal_mask
+from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
 
 from ..errors import ModelLoadError
+from ..models import split
 from ..models.load import dequantize
 
 FORMAT = "mirror-mlx-draft"
@@ -66,31 +72,55 @@ class DraftConfig:
             hidden_size=args.hidden_size, num_layers=num_layers,
             intermediate_size=args.intermediate_size, num_heads=args.num_attention_heads,
             num_kv_heads=args.num_key_value_heads,
-            head_dim=args.head_dim or args.hidden_size // args.num_attention_heads,
+            head_dim=getattr(args, "head_dim", None)
+            or args.hidden_size // args.num_attention_heads,
             vocab_size=args.vocab_size, embed_size=args.hidden_size,
             rms_norm_eps=args.rms_norm_eps, rope_theta=args.rope_theta, **extra)
 
 
-def rope(x: mx.array, positions: mx.array | int, base: float) -> mx.array:
-    """Rotary embedding at explicit positions: `positions` is an int (contiguous from there) or
-    an int32 array of shape (B, T) with one position per token."""
+def rope(x: mx.array, positions: mx.array | int, rotate: nn.Module) -> mx.array:
+    """Rotary embedding at explicit positions: `rotate` is a rope module of mlx-lm's (nn.RoPE
+    or a scaled one from rope_utils), called with an offset; `positions` is an int (contiguous
+    from there) or an int32 array of shape (B, T) with one position per token."""
     if isinstance(positions, int):
-        return mx.fast.rope(x, x.shape[-1], traditional=False, base=base, scale=1.0,
-                            offset=positions)
+        return rotate(x, offset=positions)
     B, H, T, D = x.shape
     # mx.fast.rope takes one offset per batch row: give every token a row of its own.
     rows = x.transpose(0, 2, 1, 3).reshape(B * T, H, 1, D)
-    rows = mx.fast.rope(rows, D, traditional=False, base=base, scale=1.0,
-                        offset=positions.reshape(-1))
+    rows = rotate(rows, offset=positions.reshape(-1))
     return rows.reshape(B, T, H, D).transpose(0, 2, 1, 3)
+
+
+def capped_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, mask,
+                     cap: float) -> mx.array:
+    """Attention with soft-capped scores (gemma 2), which the fused kernel does not do."""
+    repeats = q.shape[1] // k.shape[1]
+    k, v = mx.repeat(k, repeats, axis=1), mx.repeat(v, repeats, axis=1)
+    scores = mx.tanh((q * scale) @ k.swapaxes(-1, -2) / cap) * cap
+    if isinstance(mask, str):
+        mask = create_causal_mask(q.shape[2], k.shape[2] - q.shape[2])
+    if mask is not None:
+        scores = mx.where(mask, scores, mx.finfo(scores.dtype).min)
+    return mx.softmax(scores, axis=-1, precise=True) @ v
+
+
+def windowed(mask, queries: int, keys: int, window: int) -> mx.array:
+    """`mask` narrowed to a sliding window: each query sees its last `window` visible keys. Those
+    are the positions of its window, as the draft's cache holds each position from 0 up once
+    along every query's path (the prefix, then its branch), in order."""
+    if mask is None or isinstance(mask, str):
+        return create_causal_mask(queries, keys - queries, window_size=window)
+    return mask & (mx.cumsum(mask.astype(mx.int32), axis=-1, reverse=True) <= window)
 
 
 class Attention(nn.Module):
     def __init__(self, c: DraftConfig):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
-        self.base = c.rope_theta
+        self.rope = nn.RoPE(c.head_dim, traditional=False, base=c.rope_theta)
         self.scale = c.head_dim**-0.5
+        self.softcap = 0.0  # attention logit soft-capping (gemma 2), 0: none
+        self.window = 0  # sliding window (some layers of gemma 3, some llamas), 0: none
         self.q_proj = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=False)
@@ -98,13 +128,25 @@ class Attention(nn.Module):
 
     def __call__(self, x, positions, mask, cache):
         B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, self.n_heads, -1).transpose(0, 2, 1, 3)
-        k = self.k_proj(x).reshape(B, T, self.n_kv, -1).transpose(0, 2, 1, 3)
-        v = self.v_proj(x).reshape(B, T, self.n_kv, -1).transpose(0, 2, 1, 3)
-        q, k = rope(q, positions, self.base), rope(k, positions, self.base)
+        if "qkv_proj" in self:  # fused (phi3)
+            n_q, n_kv = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+            q, k, v = mx.split(self.qkv_proj(x), [n_q, n_q + n_kv], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k = q.reshape(B, T, self.n_heads, -1), k.reshape(B, T, self.n_kv, -1)
+        if "q_norm" in self:  # qk-norm (qwen3, gemma 3): each head's query and key
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = rope(q.transpose(0, 2, 1, 3), positions, self.rope)
+        k = rope(k.transpose(0, 2, 1, 3), positions, self.rope)
+        v = v.reshape(B, T, self.n_kv, -1).transpose(0, 2, 1, 3)
         if cache is not None:
             k, v = cache.update_and_fetch(k, v)
-        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
+        if self.window:
+            mask = windowed(mask, T, k.shape[2], self.window)
+        if self.softcap:
+            out = capped_attention(q, k, v, self.scale, mask, self.softcap)
+        else:
+            out = mx.fast.scaled_dot_product_attention(q, k, v, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(B, T, -1))
 
 
@@ -128,8 +170,32 @@ class Block(nn.Module):
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
 
     def __call__(self, x, positions, mask, cache):
-        h = x + self.self_attn(self.input_layernorm(x), positions, mask, cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        r = self.self_attn(self.input_layernorm(x), positions, mask, cache)
+        if "pre_feedforward_layernorm" not in self:
+            h = x + r
+            return h + self.mlp(self.post_attention_layernorm(h))
+        # Gemma's sandwich: each sublayer's output is normed again before the residual add.
+        h = x + self.post_attention_layernorm(r)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+    def adopt(self, theirs: nn.Module) -> None:
+        """Share the modules of `theirs`, a decoder layer of mlx-lm's (see `from_model`), so
+        that quantized targets stay quantized; its attention scale and soft-capping too."""
+        mine, src = self.self_attn, theirs.self_attn
+        if "qkv_proj" in src:
+            for name in ("q_proj", "k_proj", "v_proj"):
+                mine.pop(name)
+        for name in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "q_norm", "k_norm",
+                     "rope"):
+            if name in src:
+                setattr(mine, name, src[name])
+        mine.scale = src.scale
+        mine.softcap = getattr(src, "attn_logit_softcapping", None) or 0.0
+        self.mlp = theirs.mlp
+        for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                     "post_feedforward_layernorm"):
+            if name in theirs:
+                setattr(self, name, theirs[name])
 
 
 class DraftNet(nn.Module):
@@ -157,6 +223,17 @@ class DraftNet(nn.Module):
         # Head index -> token id (identity when the head scores the whole vocabulary); the
         # leading underscore keeps it out of the parameters.
         self._head_ids = mx.array(config.head_tokens or list(range(config.vocab_size)), mx.int32)
+        # Set by `from_model` for families that have them (gemma): the embedding's scale, the
+        # final logits' soft cap, and what the draft has beyond what `config` describes.
+        self._embed_scale: mx.array | None = None
+        self._logit_cap = 0.0
+        self._unlike: tuple[str, ...] = ()
+
+    @property
+    def unlike_llama(self) -> tuple[str, ...]:
+        """What this draft computes beyond the plain llama form its `config` describes (what
+        `save` writes, distill trains and a Core ML package computes); empty if nothing."""
+        return self._unlike
 
     @property
     def head_ids(self) -> mx.array:
@@ -188,6 +265,8 @@ class DraftNet(nn.Module):
                  features: mx.array | None = None) -> mx.array:
         """Embed `tokens` and run the first `layers` layers (no final norm)."""
         h = self.embed_tokens(tokens)
+        if self._embed_scale is not None:
+            h = h * self._embed_scale.astype(h.dtype)
         if "in_proj" in self:
             h = self.in_proj(h)
         if self.reads_features:
@@ -238,9 +317,8 @@ class DraftNet(nn.Module):
 
     def logits(self, h: mx.array) -> mx.array:
         """Scores over the head's vocabulary (see `head_ids`)."""
-        if self.config.tie_head:
-            return self.embed_tokens.as_linear(h)
-        return self.head(h)
+        logits = self.embed_tokens.as_linear(h) if self.config.tie_head else self.head(h)
+        return mx.tanh(logits / self._logit_cap) * self._logit_cap if self._logit_cap else logits
 
     def __call__(self, tokens, positions=0, mask="causal", cache=None, features=None) -> mx.array:
         return self.logits(self.hidden(tokens, positions, mask, cache, features))
@@ -248,28 +326,38 @@ class DraftNet(nn.Module):
     # -- conversion, saving and loading --
 
     @staticmethod
-    def from_llama(model: nn.Module, num_layers: int | None = None,
+    def from_model(model: nn.Module, num_layers: int | None = None,
                    target_info: dict | None = None) -> DraftNet:
-        """A draft made of a llama model's first `num_layers` layers, its final norm and its
-        output layer, sharing (not copying) the weights."""
-        args = model.args
+        """A draft made of an mlx-lm model's first `num_layers` layers, its final norm and its
+        output layer, sharing (not copying) the weights; the model must be of a family that
+        models/split.py knows (ModelLoadError otherwise, or for a rope it can't run)."""
+        if not split.splittable(model):
+            raise ModelLoadError(
+                f"a draft of model type '{getattr(model, 'model_type', '?')}' is not supported: "
+                f"drafts run the layers of the families {', '.join(split.SPLIT_MODEL_TYPES)}")
+        rotate = model.model.layers[0].self_attn.rope
+        if isinstance(rotate, DynamicNTKScalingRoPE):
+            raise ModelLoadError("a draft with dynamic (NTK) rope scaling is not supported: it "
+                                 "rescales by the sequence length, which a tree of drafts lacks")
         n = num_layers or len(model.layers)
         tied = not hasattr(model, "lm_head")
-        config = DraftConfig.like(args, n, tie_head=tied, target=target_info or {})
-        if getattr(args, "rope_scaling", None) or getattr(args, "rope_traditional", False):
-            raise ModelLoadError("drafts with rope scaling or traditional rope are not supported")
+        config = DraftConfig.like(model.args, n, tie_head=tied, target=target_info or {})
         net = DraftNet(config)
         net.embed_tokens = model.model.embed_tokens
         net.norm = model.model.norm
         if not tied:
             net.head = model.lm_head
-        for mine, theirs in zip(net.layers, model.model.layers[:n]):
-            # Share the modules themselves, so quantized targets stay quantized.
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                setattr(mine.self_attn, name, getattr(theirs.self_attn, name))
-            mine.mlp = theirs.mlp
-            mine.input_layernorm = theirs.input_layernorm
-            mine.post_attention_layernorm = theirs.post_attention_layernorm
+        for mine, theirs, window in zip(net.layers, model.model.layers[:n],
+                                        split.layer_windows(model)):
+            mine.adopt(theirs)
+            mine.self_attn.window = window or 0
+        net._embed_scale = split.embed_scale(model)
+        net._logit_cap = getattr(model, "final_logit_softcapping", None) or 0.0
+        net._unlike = unlike_llama(model, config)
+        # A scaled rope's frequency table is no parameter, and stays lazy until evaluated: here,
+        # since the draft may run in another thread, where this thread's stream does not exist.
+        mx.eval([v for layer in net.layers for v in layer.self_attn.rope.values()
+                 if isinstance(v, mx.array)], net._embed_scale)
         return net
 
     def save(self, folder: str | Path, bits: int | None = None) -> None:
@@ -343,3 +431,36 @@ def _quantized_copy(net: DraftNet, bits: int) -> DraftNet:
     copy.update(net.parameters())
     nn.quantize(copy, group_size=QUANT_GROUP, bits=bits, class_predicate=_quantizable)
     return copy
+
+
+def unlike_llama(model: nn.Module, config: DraftConfig) -> tuple[str, ...]:
+    """What a draft converted from `model` computes beyond the plain llama form of `config`."""
+    layer, kind = model.model.layers[0], model.model_type
+    attn, rotate = layer.self_attn, layer.self_attn.rope
+    plain_rope = all(
+        type(r) is nn.RoPE and not r.traditional and r.scale == 1.0
+        and r.dims == config.head_dim and r.base == config.rope_theta
+        for r in (li.self_attn.rope for li in model.model.layers))
+    found = {
+        f"{type(rotate).__name__} rope (scaled, partial or per layer)": not plain_rope,
+        "a fused qkv projection": "qkv_proj" in attn,
+        "biases": any(k.endswith(".bias") for k, _ in tree_flatten(layer.parameters())),
+        "qk-norm": "q_norm" in attn,
+        "an attention scale other than 1/sqrt(head_dim)": attn.scale != config.head_dim**-0.5,
+        "gemma's norms, MLP and embedding scale": kind.startswith("gemma"),
+        "attention logit soft-capping": bool(getattr(attn, "attn_logit_softcapping", None)),
+        "final logit soft-capping": bool(getattr(model, "final_logit_softcapping", None)),
+        "a fused gate/up projection": "gate_up_proj" in layer.mlp,
+        "sliding-window layers": any(split.layer_windows(model)),
+    }
+    return tuple(what for what, present in found.items() if present)
+
+
+def llama_source(model: nn.Module, num_layers: int) -> DraftNet:
+    """`from_model` for a starting point that must be of the plain llama form (distill)."""
+    net = DraftNet.from_model(model, num_layers)
+    if net.unlike_llama:
+        raise ModelLoadError(
+            f"distill trains drafts of the plain llama form; this target has "
+            f"{', '.join(net.unlike_llama)} (its own layers can draft: --draft self:N)")
+    return net

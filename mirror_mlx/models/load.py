@@ -144,6 +144,10 @@ def _load_mlx_lm(spec: str, dtype: str, name: str) -> LoadedModel:
         where = "from the Hugging Face Hub" if not Path(spec).exists() else ""
         raise ModelLoadError(f"{spec}: cannot load {where}({type(e).__name__}: {e})") from e
     path = Path(spec) if Path(spec).exists() else Path(getattr(wrapper, "name_or_path", spec))
+    if config.get("model_type") == "gemma3":
+        # Gemma 3 4B and up: mlx-lm runs the text model inside, and so do we (it can split).
+        model = model.language_model
+        config = {**config, **config.get("text_config", {})}
     context = int(
         config.get("max_position_embeddings")
         or getattr(wrapper._tokenizer, "model_max_length", 4096)

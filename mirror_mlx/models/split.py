@@ -1,7 +1,7 @@
 """The target's forward pass split at an exit layer, and the early-exit readout.
 
 `prefix` + `suffix` computes exactly what mlx-lm's own forward computes (same modules, same
-mask), so verification through the split is the target itself. The exit readout turns the
+masks), so verification through the split is the target itself. The exit readout turns the
 hidden state after layer l_e into top-kappa token guesses: optionally through a trained exit
 head (a tuned lens: one linear map), then the shared final norm and LM head.
 """
@@ -15,46 +15,97 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from ..errors import ModelLoadError
 
-SPLIT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The families whose forward this module reproduces layer by layer. Besides the llama layout
+# (model.model.embed_tokens / layers / norm, each layer called as layer(h, mask, cache)), each
+# may scale its embeddings, give some layers a sliding window, and soft-cap its logits: see
+# `embed_scale`, `layer_windows` and `soft_cap`, which follow each family's Model.__call__
+# in mlx-lm. "mistral" is mlx-lm's llama under another name.
+SPLIT_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+
+
+def splittable(model: nn.Module) -> bool:
+    return getattr(model, "model_type", None) in SPLIT_MODEL_TYPES and all(
+        hasattr(getattr(model, "model", None), a) for a in ("embed_tokens", "layers", "norm"))
 
 
 def check_splittable(model: nn.Module) -> None:
-    inner = getattr(model, "model", None)
-    if getattr(model, "model_type", None) not in SPLIT_MODEL_TYPES or not all(
-        hasattr(inner, a) for a in ("embed_tokens", "layers", "norm")
-    ):
+    if not splittable(model):
         raise ModelLoadError(
-            f"Mirror-SD needs the target's layers one by one; model type "
-            f"'{getattr(model, 'model_type', '?')}' is not supported for it "
-            f"(supported: {', '.join(SPLIT_MODEL_TYPES)})"
-        )
+            f"Mirror-SD runs the target's layers one by one, which needs to know how its family "
+            f"embeds tokens, masks each layer and reads out logits; model type "
+            f"'{getattr(model, 'model_type', '?')}' is not among the families that "
+            f"mirror_mlx/models/split.py knows ({', '.join(SPLIT_MODEL_TYPES)})")
+
+
+def embed_scale(model: nn.Module) -> mx.array | None:
+    """What the family multiplies token embeddings by (None: nothing). Gemma scales by
+    sqrt(hidden); Gemma 3 rounds that factor to bfloat16 first, as mlx-lm does."""
+    kind = getattr(model, "model_type", None)
+    if kind == "gemma3_text":
+        return mx.array(model.args.hidden_size**0.5, mx.bfloat16)
+    if kind == "gemma2":
+        return mx.array(model.args.hidden_size**0.5)
+    return None
+
+
+def layer_windows(model: nn.Module) -> list[int | None]:
+    """Each layer's sliding attention window (None: it attends to everything)."""
+    window = getattr(model.args, "sliding_window", None)
+    return [window if getattr(layer, "use_sliding", False)  # llama's layer_types
+            or getattr(layer.self_attn, "is_sliding", False) else None  # gemma 3
+            for layer in model.model.layers]
+
+
+def make_cache(model: nn.Module) -> list:
+    """A cache for the target: one that keeps every key for the families of this module, whose
+    masks then apply the sliding windows (a rotating cache can't take back rejected tokens
+    once it has wrapped around), else mlx-lm's own."""
+    if splittable(model):
+        return [KVCache() for _ in model.model.layers]
+    return make_prompt_cache(model)
 
 
 @dataclass
 class Pass:
-    """One verification forward in progress: hidden state, mask and where it stands.
+    """One verification forward in progress: hidden state, masks and where it stands.
     `taps`: after how many layers to keep the hidden state (a feature-conditioned draft's
     `feature_layers`), kept in `features` in that order."""
 
     h: mx.array
-    mask: object
+    masks: list  # one per layer
     cache: list
     taps: tuple[int, ...] = ()
     features: list = field(default_factory=list)
 
 
 def start(model: nn.Module, tokens: mx.array, cache: list, taps=()) -> Pass:
+    check_splittable(model)
     h = model.model.embed_tokens(tokens)
-    return Pass(h, create_attention_mask(h, cache[0]), cache, tuple(taps))
+    scale = embed_scale(model)
+    if scale is not None:
+        h = h * scale.astype(h.dtype)
+    # As the families' own forward: one mask per window, made from the cache of the first
+    # layer with that window (gemma 2 wants masks as arrays).
+    array = model.model_type == "gemma2"
+    made: dict = {}
+    masks = []
+    for i, window in enumerate(layer_windows(model)):
+        if window not in made:
+            made[window] = create_attention_mask(h, cache[i], window_size=window,
+                                                 return_array=array)
+        masks.append(made[window])
+    return Pass(h, masks, cache, tuple(taps))
 
 
 def run_layers(model: nn.Module, p: Pass, begin: int, end: int) -> mx.array:
-    for i, (layer, c) in enumerate(zip(model.model.layers[begin:end], p.cache[begin:end])):
-        p.h = layer(p.h, p.mask, cache=c)
-        if begin + i + 1 in p.taps:
+    layers = model.model.layers
+    for i in range(begin, end):
+        p.h = layers[i](p.h, p.masks[i], cache=p.cache[i])
+        if i + 1 in p.taps:
             p.features.append(p.h)
     return p.h
 
@@ -63,7 +114,9 @@ def forward(model: nn.Module, tokens: mx.array, cache: list, taps=()
             ) -> tuple[mx.array, list[mx.array]]:
     """The target's whole forward (what `model(tokens, cache=cache)` computes, logits (B, T,
     V)), plus its hidden states after the layers in `taps`: one pass serves verification and
-    the draft's features."""
+    the draft's features. A family this module does not know runs as itself (no taps)."""
+    if not taps and not splittable(model):
+        return model(tokens, cache=cache), []
     p = start(model, tokens, cache, taps)
     run_layers(model, p, 0, len(model.model.layers))
     return final_logits(model, p.h), p.features
@@ -72,8 +125,14 @@ def forward(model: nn.Module, tokens: mx.array, cache: list, taps=()
 def lm_head(model: nn.Module, h: mx.array) -> mx.array:
     """Logits from a final-normed hidden state, through the target's own output layer."""
     if hasattr(model, "lm_head"):
-        return model.lm_head(h)
-    return model.model.embed_tokens.as_linear(h)
+        return soft_cap(model, model.lm_head(h))
+    return soft_cap(model, model.model.embed_tokens.as_linear(h))
+
+
+def soft_cap(model: nn.Module, logits: mx.array) -> mx.array:
+    """Gemma 2's final logit soft-capping (the identity for the other families)."""
+    cap = getattr(model, "final_logit_softcapping", None)
+    return logits if not cap else mx.tanh(logits / cap) * cap
 
 
 def final_logits(model: nn.Module, h: mx.array) -> mx.array:
@@ -152,7 +211,7 @@ def exit_logits(model: nn.Module, h: mx.array, head: ExitHead | None,
     if head is not None:
         h = h + head.proj(h)
     h = model.model.norm(h)
-    return lm_head(model, h) if vocab is None else h @ vocab.weight.T
+    return lm_head(model, h) if vocab is None else soft_cap(model, h @ vocab.weight.T)
 
 
 def exit_top_k(model: nn.Module, h: mx.array, head: ExitHead | None, vocab: ExitVocab | None,

@@ -22,7 +22,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..draft.load import SHIPPED_DRAFT, load_folder, target_info
-from ..draft.net import DraftConfig, DraftNet
+from ..draft.net import DraftConfig, DraftNet, llama_source
 from ..errors import InvalidParameter
 from ..models.load import LoadedModel
 from ..progress import Progress
@@ -102,7 +102,7 @@ def init_draft(target: LoadedModel, layers: int, head_tokens: list[int],
     config = DraftConfig.like(args, layers, head_tokens=head_tokens, stream_count=streams,
                               target=target_info(target))
     net = DraftNet(config)
-    source = DraftNet.from_llama(target.model, layers)
+    source = llama_source(target.model, layers)
     weights = {k: v for k, v in tree_flatten(source.parameters())
                if k.startswith(("layers.", "norm."))}
     embed = target.model.model.embed_tokens

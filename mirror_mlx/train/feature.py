@@ -19,7 +19,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 from ..draft.load import target_info
-from ..draft.net import DraftConfig, DraftNet
+from ..draft.net import DraftConfig, DraftNet, llama_source
 from ..models import split
 from ..models.load import LoadedModel
 from ..progress import Progress
@@ -45,7 +45,7 @@ def init_feature_draft(target: LoadedModel, layers: int, head_tokens: list[int],
                               feature_layers=feature_layers, feature_size=args.hidden_size,
                               target=target_info(target))
     net = DraftNet(config)
-    source = DraftNet.from_llama(target.model, layers)
+    source = llama_source(target.model, layers)
     weights = [(f"layers.{i}.{k}", v) for i in range(layers)
                for k, v in tree_flatten(source.layers[i].parameters())]
     width = args.hidden_size

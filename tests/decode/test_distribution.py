@@ -48,7 +48,7 @@ def tiny(seed: int, layers: int) -> llama.Model:
 @pytest.fixture(scope="module")
 def models():
     target = tiny(1, 4)
-    drafter = MLXDrafter(DraftNet.from_llama(tiny(2, 2)))
+    drafter = MLXDrafter(DraftNet.from_model(tiny(2, 2)))
     yield target, drafter
     drafter.close()
 

@@ -45,7 +45,7 @@ def test_a_copied_draft_is_certain():
 
 @pytest.fixture(scope="module")
 def drafter(target):
-    inner = MLXDrafter(DraftNet.from_llama(target.model))  # all layers: the target itself
+    inner = MLXDrafter(DraftNet.from_model(target.model))  # all layers: the target itself
     yield LookupDrafter(inner)
     inner.close()
 

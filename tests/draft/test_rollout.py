@@ -17,7 +17,7 @@ from mlx_lm.generate import generate_step
 
 @pytest.fixture(scope="module")
 def setup(target):
-    drafter = MLXDrafter(DraftNet.from_llama(target.model))  # all layers: the target itself
+    drafter = MLXDrafter(DraftNet.from_model(target.model))  # all layers: the target itself
     yield target, drafter
     drafter.close()
 

@@ -1,0 +1,145 @@
+"""Every family mirror-mlx runs, as target and as draft, with tiny random-weight models built
+from mlx-lm's own classes (tiny.py): greedy AR, SD and Mirror-SD agree token for token; the
+split target is the target itself; a converted draft is the model it came from; what can't
+work is refused by name."""
+
+from pathlib import Path
+
+from mirror_mlx.api import Engine
+from mirror_mlx.draft.load import load_draft
+from mirror_mlx.draft.net import DraftNet, llama_source
+from mirror_mlx.errors import IncompatibleDraft, ModelLoadError
+from mirror_mlx.models import split
+from mirror_mlx.models.load import LoadedModel
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models import gemma3
+from mlx_lm.models.cache import KVCache
+
+from coreml_export.convert import package_spec
+from tests.families.tiny import FAMILIES, VOCAB, config, save, tiny
+
+# Longer than the tiny models' sliding windows (6 tokens), so windows matter.
+PROMPT = [1, 504, 3125, 30, 7382, 281, 260, 3429, 28, 665, 1670, 314, 253, 5728, 30, 1115]
+MAX_TOKENS = 12
+SD = dict(mode="sd", gamma=3)
+MIRROR = dict(mode="mirror", gamma=3, kappa=4, branch_budget=2, exit_layer=2)
+
+
+def loaded(model, tokenizer, name: str) -> LoadedModel:
+    # No end-of-sequence token: every run makes MAX_TOKENS tokens.
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, path=Path(name),
+                       context_length=256, eos_token_ids=frozenset(), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def tokenizer(target):
+    return target.tokenizer
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_decoders_agree(family, tokenizer, tmp_path):
+    """As target, with its own first layers as draft: two (a random model's first layers
+    guess wrong: every draft is rejected) and all four (the target itself: drafts are
+    accepted); and as draft: a separate two-layer model of the family read from an mlx-lm
+    folder, as a user gives it."""
+    target = loaded(tiny(family), tokenizer, family)
+    reference = Engine(target).generate(PROMPT, max_tokens=MAX_TOKENS).token_ids
+    assert len(reference) == MAX_TOKENS
+    folder = save(tiny(family, layers=2, seed=1), family, tmp_path / "draft", tokenizer)
+    for draft, mode in (("self:2", SD), ("self:4", MIRROR), (str(folder), MIRROR)):
+        with Engine(target, draft=draft, lookup=False, **mode) as engine:
+            result = engine.generate(PROMPT, max_tokens=MAX_TOKENS)
+        assert result.token_ids == reference, (family, draft, mode)
+        if draft == "self:4":
+            assert result.stats.target_steps < MAX_TOKENS / 2, family
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_split_forward_is_the_model(family):
+    """Through a prefill and steps, on a cache that crosses the sliding windows."""
+    model = tiny(family)
+    tokens = mx.array([PROMPT])
+    ours, theirs = split.make_cache(model), split.make_cache(model)
+    for a, b in ((0, 9), (9, 10), (10, 16)):
+        logits, _ = split.forward(model, tokens[:, a:b], ours)
+        assert mx.array_equal(logits, model(tokens[:, a:b], cache=theirs))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_converted_draft_is_the_model(family):
+    """All layers converted, past the sliding windows: the draft computes what the model does,
+    at contiguous positions and as a branch of a tree (explicit positions and mask, beside a
+    sibling branch it must not see)."""
+    model = tiny(family)
+    net = DraftNet.from_model(model)
+    reference = model(mx.array([PROMPT]))
+    assert mx.allclose(net(mx.array([PROMPT])), reference, atol=1e-4)
+    cache = [KVCache() for _ in net.layers]
+    net(mx.array([PROMPT[:10]]), 0, "causal", cache)
+    # Tree: the sibling PROMPT[12] at position 10, then the branch PROMPT[10:] at 10, 11, ...
+    tokens = mx.array([PROMPT[12:13] + PROMPT[10:]])
+    positions = mx.array([[10] + list(range(10, 16))], dtype=mx.int32)
+    mask = np.zeros((7, 17), bool)  # keys: the 10 cached, the sibling, the branch
+    mask[:, :10] = True
+    mask[0, 10] = True
+    mask[1:, 11:] = np.tril(np.ones((6, 6), bool))
+    out = net(tokens, positions, mx.array(mask)[None, None], cache)
+    assert mx.allclose(out[:, 1:], reference[:, 10:], atol=1e-4)
+
+
+def test_gemma3_target_from_a_folder(tokenizer, tmp_path):
+    """Gemma 3 as mlx-community ships 4B and up (model type gemma3: the text model inside a
+    wrapper), read from an mlx-lm folder as a user gives it: Mirror-SD equals AR."""
+    settings = dict(model_type="gemma3", vocab_size=VOCAB, text_config=config("gemma3_text"))
+    model = gemma3.Model(gemma3.ModelArgs.from_dict(settings))
+    model.language_model = tiny("gemma3_text")
+    folder = save(model, "gemma3", tmp_path / "gemma3", tokenizer, settings)
+    reference = Engine(str(folder)).generate(PROMPT, max_tokens=MAX_TOKENS).token_ids
+    with Engine(str(folder), mode="mirror", draft="self:2", exit_layer=2) as engine:
+        assert engine.generate(PROMPT, max_tokens=MAX_TOKENS).token_ids == reference
+
+
+def test_core_ml_export_takes_the_plain_llama_form_only(tokenizer):
+    target = loaded(tiny("llama"), tokenizer, "llama")
+    spec, _ = package_spec(load_draft("self:2", target), context=256, max_branch_tokens=8)
+    assert spec.config.num_layers == 2
+    for family in ("llama3-rope", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"):
+        net = load_draft("self:2", loaded(tiny(family), tokenizer, family))
+        with pytest.raises(IncompatibleDraft, match="plain llama form"):
+            package_spec(net, context=256, max_branch_tokens=8)
+
+
+def test_unknown_family_runs_alone_and_is_refused_by_name(tokenizer):
+    """olmo2: AR runs the model as it is; Mirror-SD and drafts name the model type."""
+    from mlx_lm.models import olmo2
+
+    args = olmo2.ModelArgs(model_type="olmo2", hidden_size=64, num_hidden_layers=2,
+                           intermediate_size=128, num_attention_heads=4, rms_norm_eps=1e-5,
+                           vocab_size=49152, max_position_embeddings=256)
+    target = loaded(olmo2.Model(args), tokenizer, "olmo2")
+    assert len(Engine(target).generate(PROMPT, max_tokens=4).token_ids) == 4
+    with pytest.raises(ModelLoadError, match="'olmo2'"):
+        Engine(target, mode="mirror", draft="self:1")
+    with pytest.raises(ModelLoadError, match="'olmo2'"):
+        Engine(target, mode="sd", draft="self:1")
+
+
+def test_dynamic_rope_draft_is_refused(tokenizer):
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs.from_dict({
+        "model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+        "intermediate_size": 128, "num_attention_heads": 4, "rms_norm_eps": 1e-5,
+        "vocab_size": 49152, "max_position_embeddings": 256,
+        "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    with pytest.raises(ModelLoadError, match="dynamic"):
+        load_draft("self:1", loaded(llama.Model(args), tokenizer, "dynamic"))
+
+
+def test_distill_starts_from_the_plain_llama_form_only():
+    assert not llama_source(tiny("llama"), 2).unlike_llama
+    with pytest.raises(ModelLoadError, match="qk-norm"):
+        llama_source(tiny("qwen3"), 2)
