@@ -1,5 +1,6 @@
 """One entry point for every model spec: a local mlx-lm directory, a Hugging Face repo id,
-a .gguf file, or "default". Returns the mlx-lm model, its tokenizer and what the engine needs."""
+a .gguf file, or a hosted model's name ("default", "gemma3-270m"). Returns the mlx-lm model,
+its tokenizer and what the engine needs."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from ..errors import ModelLoadError
 from ..platform import mlx_device
 from . import gguf
-from .default import default_model_path, ensure_default_model
+from .default import HOSTED, default_model_path, ensure_model
 from .gguf_tokenizer import tokenizer_from_gguf
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
@@ -54,10 +55,13 @@ def resolve_dtype(dtype: str) -> str:
 
 
 def load(spec: str | None = None, dtype: str = "auto", quiet: bool = False) -> LoadedModel:
-    """Load a target or draft model. `spec`: None or "default", a path, or a hub id."""
+    """Load a target or draft model. `spec`: None, a hosted model's name ("default",
+    "gemma3-270m": fetched on first use), a path, or a hub id."""
     dtype = resolve_dtype(dtype)
-    if spec in (None, "", "default"):
-        return _load_gguf(ensure_default_model(quiet), dtype, name="default")
+    if spec in (None, ""):
+        spec = "default"
+    if spec in HOSTED:
+        return _load_gguf(ensure_model(HOSTED[spec], quiet), dtype, name=spec)
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix == ".gguf" or _has_gguf_magic(path):
