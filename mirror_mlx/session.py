@@ -9,18 +9,17 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache
 
 from .decode.autoregressive import autoregressive
 from .decode.length import DraftLength
 from .decode.mirror import MirrorConfig, mirror
 from .decode.sampling import Sampler, SamplingParams
 from .decode.schedule import scheduler_for
-from .decode.speculative import speculative
+from .decode.speculative import speculative, target_forward
 from .draft.base import Drafter, Features, Job
 from .errors import InvalidParameter, PromptTooLong
 from .measure.stats import GenerationStats
-from .models import split
 from .models.load import LoadedModel
 from .text import TextStream
 
@@ -82,7 +81,10 @@ class Session:
         self.context = min(context or target.context_length, target.context_length)
         if self.context < 2:
             raise InvalidParameter(f"context must be at least 2 tokens (got {self.context})")
-        self.cache = make_prompt_cache(target.model)
+        # A full cache for every layer, sliding-window ones included (Gemma 3's; their mask
+        # keeps the window): speculative steps trim rejected tokens, which a rotating cache
+        # cannot undo once it has wrapped.
+        self.cache = [KVCache() for _ in target.model.layers]
         self.tokens: list[int] = []  # what the cache holds, position by position
         # Mirror-SD's plan per step; what it measures holds across the session's generations.
         self.scheduler = scheduler_for(drafter, self.settings.mirror.budget,
@@ -218,7 +220,7 @@ class Session:
             if cancel is not None and cancel.is_set():
                 break
             chunk = todo[at : at + PREFILL_CHUNK]
-            _, feats = split.forward(self.target.model, mx.array(chunk)[None], self.cache, taps)
+            feats = target_forward(self.target.model, mx.array(chunk)[None], self.cache, taps)[1]
             states = [c.state for c in self.cache]
             mx.async_eval(states, feats)
             if self.drafter is not None:  # an inline drafter prefills now, beside the target

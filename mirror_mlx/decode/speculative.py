@@ -17,6 +17,16 @@ from .sampling import Sampler
 from .verify import judge, speculative_accept
 
 
+def target_forward(model: nn.Module, tokens: mx.array, cache: list, taps=()
+                   ) -> tuple[mx.array, list[mx.array]]:
+    """The target's logits, and its features after the layers in `taps` for a draft that reads
+    them. Without taps the model's own forward: it serves every mlx-lm architecture, while the
+    layer-by-layer split serves those Mirror-SD supports."""
+    if taps:
+        return split.forward(model, tokens, cache, taps)
+    return model(tokens, cache=cache), []
+
+
 def speculative(model: nn.Module, cache: list, drafter: Drafter, committed: list[int],
                 sampler: Sampler, stats: GenerationStats, gamma: int | DraftLength, limit: int,
                 features: list[Features] | None = None,
@@ -46,7 +56,7 @@ def speculative(model: nn.Module, cache: list, drafter: Drafter, committed: list
                 gamma.record_draft(done.end - done.start, max(1, done.forwards))
         t1 = time.perf_counter()
         g = len(drafts)
-        logits, feats = split.forward(model, mx.array([committed[-1:] + drafts]), cache, taps)
+        logits, feats = target_forward(model, mx.array([committed[-1:] + drafts]), cache, taps)
         accepted, token = judge(logits[0], drafts, q, sampler, accept)
         for c in cache:
             c.trim(g - accepted)
