@@ -18,7 +18,7 @@ from pathlib import Path
 from ..errors import IncompatibleDraft, InvalidParameter, ModelLoadError
 from ..models.load import LoadedModel, load, resolve_dtype
 from ..models.split import ExitHead, check_splittable
-from .net import DraftNet
+from .net import LLAMA_STYLE, DraftNet
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFT = ASSETS / "draft-smollm2-135m"
@@ -56,7 +56,7 @@ def load_draft(spec: str | None, target: LoadedModel) -> DraftNet:
         return load_folder(Path(spec), target)
     model = load(spec)
     check_same_vocabulary(model, target)
-    if getattr(model.model, "model_type", None) not in ("llama", "mistral", "qwen2", "qwen3"):
+    if getattr(model.model, "model_type", None) not in LLAMA_STYLE:
         raise ModelLoadError(f"draft '{spec}': only llama-style drafts are supported")
     return DraftNet.from_llama(model.model, target_info=target_info(target))
 

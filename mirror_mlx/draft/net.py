@@ -28,6 +28,8 @@ from ..errors import ModelLoadError
 from ..models.load import dequantize
 
 FORMAT = "mirror-mlx-draft"
+# mlx-lm model types whose layers are the draft's own (a llama block): `from_llama` shares them.
+LLAMA_STYLE = ("llama", "mistral", "qwen2", "qwen3")
 
 
 @dataclass
@@ -252,6 +254,11 @@ class DraftNet(nn.Module):
                    target_info: dict | None = None) -> DraftNet:
         """A draft made of a llama model's first `num_layers` layers, its final norm and its
         output layer, sharing (not copying) the weights."""
+        if getattr(model, "model_type", None) not in LLAMA_STYLE:
+            raise ModelLoadError(
+                f"a draft cannot be made of the layers of a '{getattr(model, 'model_type', '?')}'"
+                f" model (only {', '.join(LLAMA_STYLE)}); train one with mirror-mlx distill"
+            )
         args = model.args
         n = num_layers or len(model.layers)
         tied = not hasattr(model, "lm_head")
