@@ -384,6 +384,7 @@ def cmd_distill_exit(args) -> None:
 
     from .errors import InvalidParameter
     from .models.load import load
+    from .models.split import check_splittable
     from .train.exit_head import format_table, run_distill_exit
 
     if args.layer != "auto" and not args.layer.isdigit():
@@ -391,6 +392,8 @@ def cmd_distill_exit(args) -> None:
     if not 0 < args.coverage <= 1 or args.positions < 100:
         raise InvalidParameter("--coverage must be in (0, 1] and --positions at least 100")
     target = load(args.target, dtype="float32")
+    # The exit head reads hidden states from the target run layer by layer.
+    check_splittable(target.model)
     table = run_distill_exit(target, Path(args.data), Path(args.out),
                              None if args.layer == "auto" else int(args.layer), args.kappa,
                              args.conversations, args.seed, args.coverage, args.positions)
