@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from .api import Engine, Message
 from .decode.sampling import SamplingParams
-from .errors import MirrorError
+from .errors import InvalidParameter, MirrorError
 from .measure.stats import GenerationStats
 
 HELP = """Commands:
@@ -66,6 +66,10 @@ class _Interrupts:
 
 def run_chat(engine: Engine, sampling: SamplingParams, max_tokens: int,
              system: str | None = None, stop: tuple[str, ...] = ()) -> None:
+    if engine.tokenizer.chat_template is None:
+        raise InvalidParameter(
+            f"{engine.target.name} has no chat template: it is a completion model, not a chat "
+            "model. Give it text to continue with: mirror-mlx generate --prompt TEXT")
     try:
         import readline  # noqa: F401  (line editing and history for input())
     except ImportError:

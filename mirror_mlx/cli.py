@@ -12,7 +12,8 @@ from .errors import MirrorError
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None,
                    help="target: a .gguf file, an mlx-lm folder, a Hugging Face repo id, "
-                        "or 'default' (SmolLM2-135M-Instruct)")
+                        "'default' (SmolLM2-135M-Instruct) or 'gemma3-270m' (Gemma 3 270M, "
+                        "a base model: plain-text prompts)")
     p.add_argument("--dtype", default="auto",
                    help="auto (float32 on the CPU, quantized as stored on a GPU), float32, "
                         "float16, bfloat16 or quantized")
@@ -97,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "print a report to paste into an issue")
 
     p = sub.add_parser("download", help="fetch a model into the cache (default: the default model)")
-    p.add_argument("--model", default=None)
+    p.add_argument("--model", default=None, help="'default', 'gemma3-270m', or any model spec")
 
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, ...)")
     _model_args(p)
@@ -236,13 +237,20 @@ def cmd_generate(args) -> None:
 
 
 def _print_generation(engine, args, sampling) -> None:
-    if args.no_chat_template:
+    from .errors import InvalidParameter
+
+    # A completion model (no chat template, such as Gemma 3 270M) continues the text itself.
+    plain = args.no_chat_template or engine.tokenizer.chat_template is None
+    if plain and args.system and not args.no_chat_template:
+        raise InvalidParameter(f"{engine.target.name} has no chat template, so no system "
+                               "message; put it in the prompt")
+    if plain:
         prompt = args.prompt
     else:
         prompt = ([{"role": "system", "content": args.system}] if args.system else [])
         prompt.append({"role": "user", "content": args.prompt})
     stream = engine.stream(prompt, max_tokens=args.max_tokens, sampling=sampling,
-                           stop=args.stop, chat_template=not args.no_chat_template)
+                           stop=args.stop, chat_template=not plain)
     if args.json:
         text, ids, stats = [], [], None
         for chunk in stream:
@@ -344,7 +352,7 @@ def cmd_distill(args) -> None:
     from .train.distill import TrainConfig, run_distill
 
     target = load(args.target, dtype="float32")
-    features = _feature_layers(args.features, target.num_layers)
+    features = _feature_layers(args.features, target)
     cfg = TrainConfig(layers=args.layers or (1 if features else 3),
                       head_tokens=args.head_tokens, seq_len=args.seq_len, batch=args.batch,
                       epochs=args.epochs, lr=args.lr, seed=args.seed, streams=args.streams,
@@ -356,12 +364,22 @@ def cmd_distill(args) -> None:
     print(f"draft written to {Path(args.out) / 'draft'}", file=sys.stderr)
 
 
-def _feature_layers(text: str, num_layers: int) -> list[int] | None:
-    from .errors import InvalidParameter
+def _feature_layers(text: str, target) -> list[int] | None:
+    from .errors import InvalidParameter, ModelLoadError
+    from .models.split import check_splittable
     from .train.feature import default_feature_layers
 
     if text == "none":
         return None
+    # The target's features come from its forward run layer by layer (models/split.py).
+    try:
+        check_splittable(target.model)
+    except ModelLoadError as e:
+        if text == "auto":  # a draft that reads tokens only serves any target
+            print(f"{e}; training a draft that reads tokens only", file=sys.stderr)
+            return None
+        raise
+    num_layers = target.num_layers
     if text == "auto":
         return default_feature_layers(num_layers)
     try:
@@ -379,6 +397,7 @@ def cmd_distill_exit(args) -> None:
 
     from .errors import InvalidParameter
     from .models.load import load
+    from .models.split import check_splittable
     from .train.exit_head import format_table, run_distill_exit
 
     if args.layer != "auto" and not args.layer.isdigit():
@@ -386,6 +405,8 @@ def cmd_distill_exit(args) -> None:
     if not 0 < args.coverage <= 1 or args.positions < 100:
         raise InvalidParameter("--coverage must be in (0, 1] and --positions at least 100")
     target = load(args.target, dtype="float32")
+    # The exit head reads hidden states from the target run layer by layer.
+    check_splittable(target.model)
     table = run_distill_exit(target, Path(args.data), Path(args.out),
                              None if args.layer == "auto" else int(args.layer), args.kappa,
                              args.conversations, args.seed, args.coverage, args.positions)

@@ -7,6 +7,7 @@ from pathlib import Path
 from mirror_mlx.models.gguf import read_header
 
 import mlx.core as mx
+from mlx.utils import tree_unflatten
 from mlx_lm.models import llama
 
 TINY = dict(model_type="llama", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
@@ -78,4 +79,96 @@ def write_tiny_gguf(path: Path, tokenizer_source: Path, architecture: str = "lla
         "tokenizer.chat_template": source["tokenizer.chat_template"],
     }
     mx.save_gguf(str(path), tensors, meta)
+    return model
+
+
+TINY_GEMMA = dict(model_type="gemma3_text", hidden_size=64, num_hidden_layers=6,
+                  intermediate_size=128, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=256, rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+                  rope_local_base_freq=10_000.0, query_pre_attn_scalar=256.0,
+                  sliding_window=4, sliding_window_pattern=6, max_position_embeddings=128)
+
+# A SentencePiece vocabulary as Gemma's GGUF spells it: control tokens, byte fallbacks, pieces
+# in merge order (the order transformers rebuilds Gemma's merges from).
+_PIECES = ["▁", "t", "h", "e", "c", "a", "s", "o", "n", "▁t", "he", "▁the", "▁c", "at",
+           "▁cat", "▁s", "on", "▁on", "at▁", "\n"]
+GEMMA_TOKENS = (["<pad>", "<eos>", "<bos>", "<unk>"] + [f"<0x{b:02X}>" for b in range(256)]
+                + _PIECES)
+_GEMMA_TYPES = [3, 3, 3, 2] + [6] * 256 + [1] * len(_PIECES)
+
+
+def write_tiny_gemma_gguf(path: Path, seed: int = 0):
+    """Write a tiny random Gemma 3 as llama.cpp lays it out (norms stored as 1 + w, q and k
+    rows unpermuted, the MLP's up projection in Q5_0) with the `gguf` package's writer.
+    Returns the mlx-lm model it holds (the Q5_0 weight as stored, dequantized)."""
+    import gguf
+    import numpy as np
+    from gguf import GGMLQuantizationType as Q
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import gemma3_text
+
+    mx.random.seed(seed)
+    c = TINY_GEMMA
+    model = gemma3_text.Model(gemma3_text.ModelArgs.from_dict(
+        {**c, "vocab_size": len(GEMMA_TOKENS)}))
+    model.sanitize({})  # tied embeddings: no lm_head
+    # Norm weights near zero, as trained Gemma checkpoints have (the model adds 1 itself).
+    model.update(tree_unflatten([(k, 0.1 * mx.random.normal(v.shape))
+                                 for k, v in tree_flatten(model.parameters())
+                                 if k.endswith("norm.weight")]))
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+             "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
+             "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+             "input_layernorm": "attn_norm", "post_attention_layernorm": "post_attention_norm",
+             "pre_feedforward_layernorm": "ffn_norm",
+             "post_feedforward_layernorm": "post_ffw_norm"}
+    writer = gguf.GGUFWriter(str(path), "gemma3")
+    writer.add_block_count(c["num_hidden_layers"])
+    writer.add_context_length(c["max_position_embeddings"])
+    writer.add_embedding_length(c["hidden_size"])
+    writer.add_feed_forward_length(c["intermediate_size"])
+    writer.add_head_count(c["num_attention_heads"])
+    writer.add_head_count_kv(c["num_key_value_heads"])
+    writer.add_key_length(c["head_dim"])
+    writer.add_value_length(c["head_dim"])
+    writer.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    writer.add_rope_freq_base(c["rope_theta"])
+    writer.add_sliding_window(c["sliding_window"])
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(GEMMA_TOKENS)
+    writer.add_token_scores([-float(i) for i in range(len(GEMMA_TOKENS))])
+    writer.add_token_types(_GEMMA_TYPES)
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(0)
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(False)
+
+    def f32(w: mx.array) -> np.ndarray:
+        return np.array(w.astype(mx.float32))
+
+    writer.add_tensor("token_embd.weight", f32(model.model.embed_tokens.weight))
+    writer.add_tensor("output_norm.weight", f32(model.model.norm.weight) + 1.0)
+    for i, layer in enumerate(model.model.layers):
+        for ours, theirs in names.items():
+            module = layer
+            for part in ours.split("."):
+                module = getattr(module, part)
+            w = f32(module.weight)
+            if theirs == "ffn_up":
+                stored = gguf.quants.quantize(w, Q.Q5_0)
+                module.weight = mx.array(gguf.quants.dequantize(stored, Q.Q5_0))
+                writer.add_tensor(f"blk.{i}.{theirs}.weight", stored, raw_dtype=Q.Q5_0)
+            else:
+                writer.add_tensor(f"blk.{i}.{theirs}.weight",
+                                  w + 1.0 if theirs.endswith("norm") else w)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    mx.eval(model.parameters())
     return model

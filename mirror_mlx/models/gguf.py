@@ -13,6 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+import numpy as np
+
 from ..errors import ModelLoadError
 
 MAGIC = b"GGUF"
@@ -24,13 +27,14 @@ _SCALARS = {
 }
 _STRING, _ARRAY = 8, 9
 
-# Tensor types MLX can read: name, elements per block, bytes per block.
-# Q4_0, Q4_1 and Q8_0 stay quantized; the others MLX converts to float16 on load.
+# Tensor types we load: name, elements per block, bytes per block.
 TENSOR_TYPES = {
     0: ("F32", 1, 4),
     1: ("F16", 1, 2),
     2: ("Q4_0", 32, 18),
     3: ("Q4_1", 32, 20),
+    6: ("Q5_0", 32, 22),
+    7: ("Q5_1", 32, 24),
     8: ("Q8_0", 32, 34),
     10: ("Q2_K", 256, 84),
     11: ("Q3_K", 256, 110),
@@ -38,6 +42,11 @@ TENSOR_TYPES = {
     13: ("Q5_K", 256, 176),
     14: ("Q6_K", 256, 210),
 }
+# The types MLX's own reader takes (Q4_0, Q4_1 and Q8_0 stay quantized; it converts the others
+# to float16). Files with any other type, such as the Q5_0 that llama.cpp's K-quant mixes use
+# for rows not a multiple of 256, are dequantized with the `gguf` package instead.
+MLX_READS = frozenset({"F32", "F16", "Q4_0", "Q4_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                       "Q6_K"})
 
 
 @dataclass(frozen=True)
@@ -55,6 +64,7 @@ class GGUFHeader:
     version: int
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
+    data_start: int  # byte offset of the tensor data section
 
     @property
     def architecture(self) -> str:
@@ -173,15 +183,36 @@ def _parse(buf: mmap.mmap, path: Path, size: int) -> GGUFHeader:
                     f"{size}-byte file"
                 )
             tensors[name] = TensorInfo(name, shape, type_name, offset, nbytes)
-        return GGUFHeader(path, version, metadata, tensors)
+        return GGUFHeader(path, version, metadata, tensors, data_start)
     except (struct.error, OverflowError, MemoryError) as e:
         raise ModelLoadError(f"{path}: corrupt GGUF header ({e})") from e
 
 
-SUPPORTED_ARCHITECTURES = ("llama",)
+def load_tensors(header: GGUFHeader) -> dict[str, mx.array]:
+    """Every tensor of a validated file, by GGUF name. MLX's reader where it takes every type
+    in the file; otherwise each tensor is dequantized to float32 from the bytes the header
+    placed (offsets already bounded by the file's size)."""
+    if all(t.type_name in MLX_READS for t in header.tensors.values()):
+        try:
+            return mx.load(str(header.path))
+        except (RuntimeError, ValueError) as e:
+            raise ModelLoadError(f"{header.path}: MLX could not read the tensors ({e})") from e
+    from gguf import GGMLQuantizationType, quants
 
-# GGUF tensor name (after "blk.N.") -> mlx-lm llama parameter path (after "model.layers.N.").
-_LAYER_NAMES = {
+    data = np.memmap(header.path, dtype=np.uint8, mode="r")
+    out = {}
+    for t in header.tensors.values():
+        start = header.data_start + t.offset
+        # numpy order is GGUF's reversed; the last axis holds one row's bytes.
+        raw = np.asarray(data[start : start + t.nbytes]).reshape(*reversed(t.shape[1:]), -1)
+        out[t.name] = mx.array(quants.dequantize(raw, GGMLQuantizationType[t.type_name]))
+    return out
+
+
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+
+# GGUF tensor name (after "blk.N.") -> mlx-lm parameter path (after "model.layers.N.").
+_LLAMA_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
@@ -192,11 +223,22 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3 norms the attention's and the MLP's input and output, and each head's q and k; its
+# "post_attention_layernorm" is the attention's output norm, not llama's pre-MLP norm.
+_GEMMA3_LAYER_NAMES = {
+    **{k: v for k, v in _LLAMA_LAYER_NAMES.items() if k.startswith(("attn_", "ffn_"))},
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_LAYER_NAMES = {"llama": _LLAMA_LAYER_NAMES, "gemma3": _GEMMA3_LAYER_NAMES}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def llama_config(header: GGUFHeader) -> dict[str, Any]:
-    """mlx-lm `ModelArgs` for a llama GGUF, or a clear error for anything else."""
+def model_config(header: GGUFHeader) -> dict[str, Any]:
+    """mlx-lm `ModelArgs` for a supported GGUF, or a clear error for anything else."""
     arch = header.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
@@ -207,26 +249,9 @@ def llama_config(header: GGUFHeader) -> dict[str, Any]:
     if scaling not in ("none", "linear") or "rope_freqs.weight" in header.tensors:
         raise ModelLoadError(f"{header.path}: rope scaling '{scaling}' is not supported")
     try:
-        n_heads = int(header.arch_value("attention.head_count"))
-        hidden = int(header.arch_value("embedding_length"))
-        config = {
-            "model_type": "llama",
-            "hidden_size": hidden,
-            "num_hidden_layers": int(header.arch_value("block_count")),
-            "intermediate_size": int(header.arch_value("feed_forward_length")),
-            "num_attention_heads": n_heads,
-            "num_key_value_heads": int(header.arch_value("attention.head_count_kv", n_heads)),
-            "rms_norm_eps": float(header.arch_value("attention.layer_norm_rms_epsilon")),
-            "vocab_size": int(
-                header.arch_value("vocab_size", len(header.metadata["tokenizer.ggml.tokens"]))
-            ),
-            "head_dim": int(header.arch_value("rope.dimension_count", hidden // n_heads)),
-            "rope_theta": float(header.arch_value("rope.freq_base", 10000.0)),
-            "max_position_embeddings": int(header.arch_value("context_length", 2048)),
-            "tie_word_embeddings": "output.weight" not in header.tensors,
-        }
+        config = _llama_config(header) if arch == "llama" else _gemma3_config(header)
     except (TypeError, KeyError, ValueError) as e:
-        raise ModelLoadError(f"{header.path}: llama metadata is incomplete ({e})") from e
+        raise ModelLoadError(f"{header.path}: {arch} metadata is incomplete ({e})") from e
     if scaling == "linear":
         config["rope_scaling"] = {
             "type": "linear",
@@ -235,13 +260,84 @@ def llama_config(header: GGUFHeader) -> dict[str, Any]:
     return config
 
 
-def mlx_lm_name(gguf_name: str) -> str | None:
+def _common_config(header: GGUFHeader) -> dict[str, Any]:
+    n_heads = int(header.arch_value("attention.head_count"))
+    return {
+        "hidden_size": int(header.arch_value("embedding_length")),
+        "num_hidden_layers": int(header.arch_value("block_count")),
+        "intermediate_size": int(header.arch_value("feed_forward_length")),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": int(header.arch_value("attention.head_count_kv", n_heads)),
+        "rms_norm_eps": float(header.arch_value("attention.layer_norm_rms_epsilon")),
+        "vocab_size": int(
+            header.arch_value("vocab_size", len(header.metadata["tokenizer.ggml.tokens"]))
+        ),
+        "max_position_embeddings": int(header.arch_value("context_length", 2048)),
+    }
+
+
+def _llama_config(header: GGUFHeader) -> dict[str, Any]:
+    config = _common_config(header)
+    config.update(
+        model_type="llama",
+        head_dim=int(header.arch_value(
+            "rope.dimension_count", config["hidden_size"] // config["num_attention_heads"])),
+        rope_theta=float(header.arch_value("rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in header.tensors,
+    )
+    return config
+
+
+def _gemma3_config(header: GGUFHeader) -> dict[str, Any]:
+    config = _common_config(header)
+    head_dim = int(header.arch_value("attention.key_length", 256))
+    config.update(
+        model_type="gemma3_text",
+        head_dim=head_dim,
+        rope_theta=float(header.arch_value("rope.freq_base", 1_000_000.0)),
+        sliding_window=int(header.arch_value("attention.sliding_window", 512)),
+        # GGUF stores neither of these for gemma3: llama.cpp fixes them in code (five local
+        # layers per global one; local rope base 10000), and so do we.
+        sliding_window_pattern=6,
+        rope_local_base_freq=10_000.0,
+        # llama.cpp's rule: queries scale by 1/sqrt(head_dim), except the 62-layer 27B, which
+        # scales by 1/sqrt(hidden / heads).
+        query_pre_attn_scalar=float(
+            config["hidden_size"] // config["num_attention_heads"]
+            if config["num_hidden_layers"] == 62 else head_dim),
+    )
+    return config
+
+
+def to_mlx_lm(header: GGUFHeader, config: dict[str, Any],
+              raw: dict[str, mx.array]) -> dict[str, mx.array]:
+    """The file's tensors under mlx-lm's parameter names, in mlx-lm's conventions."""
+    arch = header.architecture
+    weights: dict[str, mx.array] = {}
+    for key, value in raw.items():
+        # mx.load splits a quantized tensor into "<name>.weight/.scales/.biases".
+        target = mlx_lm_name(key, arch)
+        if target is None:
+            raise ModelLoadError(f"{header.path}: unexpected tensor '{key}' for a {arch} model")
+        if arch == "llama" and ".q_proj." in target:
+            value = unpermute_rows(value, config["num_attention_heads"])
+        elif arch == "llama" and ".k_proj." in target:
+            value = unpermute_rows(value, config["num_key_value_heads"])
+        elif arch == "gemma3" and target.endswith("norm.weight"):
+            # llama.cpp stores Gemma's RMSNorm scale as 1 + w; mlx-lm adds the 1 itself.
+            value = value - 1.0
+        weights[target] = value
+    return weights
+
+
+def mlx_lm_name(gguf_name: str, arch: str = "llama") -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; None if unknown."""
     stem, _, suffix = gguf_name.rpartition(".")
     if stem.startswith("blk."):
         _, index, part = stem.split(".", 2)
-        if part in _LAYER_NAMES:
-            return f"model.layers.{index}.{_LAYER_NAMES[part]}.{suffix}"
+        names = _LAYER_NAMES[arch]
+        if part in names:
+            return f"model.layers.{index}.{names[part]}.{suffix}"
         return None
     if stem in _TOP_NAMES:
         return f"{_TOP_NAMES[stem]}.{suffix}"

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
+import struct
+
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 from ..errors import ModelLoadError
+from ..platform import cache_dir
 from .gguf import GGUFHeader
 
 _LLAMA3_SPLIT = (
@@ -42,13 +47,66 @@ def _strings(value) -> bool:
 
 
 def tokenizer_from_gguf(header: GGUFHeader) -> PreTrainedTokenizerFast:
-    meta = header.metadata
-    kind = meta.get("tokenizer.ggml.model")
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if kind != "gpt2":
+    kind = header.metadata.get("tokenizer.ggml.model")
+    if kind == "gpt2":
+        backend = _bpe_backend(header)
+    elif kind == "llama":
+        backend = _sentencepiece_backend(header)
+    else:
         raise ModelLoadError(
-            f"{header.path}: tokenizer type '{kind}' is not supported (supported: gpt2 BPE)"
+            f"{header.path}: tokenizer type '{kind}' is not supported "
+            f"(supported: gpt2 BPE, llama SentencePiece)"
         )
+    return _wrap(header, backend)
+
+
+def _sentencepiece_backend(header: GGUFHeader) -> Tokenizer:
+    """SentencePiece vocabularies (Gemma's, llama 2's) come without merges; transformers'
+    GGUF converter rebuilds them from the vocabulary, which takes about 20 s for Gemma's 262,144
+    tokens, so its result is cached under the vocabulary's digest."""
+    tokens = header.metadata.get("tokenizer.ggml.tokens")
+    if not _strings(tokens):
+        raise ModelLoadError(f"{header.path}: tokenizer metadata is missing or malformed")
+    cached = cache_dir() / "tokenizers" / f"{_vocabulary_digest(header)}.json"
+    if cached.is_file():
+        return Tokenizer.from_file(str(cached))
+    from transformers import AutoTokenizer
+
+    try:
+        built = AutoTokenizer.from_pretrained(header.path.parent, gguf_file=header.path.name,
+                                              local_files_only=True)
+    except Exception as e:  # transformers raises many types; all mean "cannot build this"
+        raise ModelLoadError(
+            f"{header.path}: cannot build its SentencePiece tokenizer ({type(e).__name__}: {e})"
+        ) from e
+    backend = built.backend_tokenizer
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    part = cached.with_name(f".{cached.name}.{os.getpid()}")
+    backend.save(str(part))
+    os.replace(part, cached)
+    return backend
+
+
+def _vocabulary_digest(header: GGUFHeader) -> str:
+    """What the converter reads: the architecture (it picks the builder) and the vocabulary."""
+    meta = header.metadata
+    digest = hashlib.sha256()
+    for key in ("general.architecture", "tokenizer.ggml.model", "tokenizer.ggml.pre",
+                "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_eos_token",
+                "tokenizer.ggml.add_space_prefix", "tokenizer.ggml.bos_token_id",
+                "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id",
+                "tokenizer.ggml.padding_token_id"):
+        digest.update(f"{key}={meta.get(key)!r}\n".encode())
+    digest.update("\0".join(meta["tokenizer.ggml.tokens"]).encode())
+    for key in ("tokenizer.ggml.scores", "tokenizer.ggml.token_type"):
+        values = meta.get(key) or []
+        digest.update(struct.pack(f"<{len(values)}d", *values))
+    return digest.hexdigest()[:32]
+
+
+def _bpe_backend(header: GGUFHeader) -> Tokenizer:
+    meta = header.metadata
+    pre = meta.get("tokenizer.ggml.pre", "default")
     pre_tokenizer = _pre_tokenizer(pre)
     if pre_tokenizer is None:
         raise ModelLoadError(f"{header.path}: tokenizer pre-tokenizer '{pre}' is not supported")
@@ -77,22 +135,28 @@ def tokenizer_from_gguf(header: GGUFHeader) -> PreTrainedTokenizerFast:
             if kind in (_CONTROL, _USER_DEFINED)
         ]
     )
-
-    def special(key: str) -> str | None:
-        index = meta.get(f"tokenizer.ggml.{key}_token_id")
-        return tokens[index] if index is not None and 0 <= index < len(tokens) else None
-
-    bos = special("bos")
+    bos = _special(header, "bos")
     if meta.get("tokenizer.ggml.add_bos_token", False) and bos is not None:
         backend.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokens.index(bos))]
         )
+    return backend
+
+
+def _special(header: GGUFHeader, key: str) -> str | None:
+    tokens = header.metadata["tokenizer.ggml.tokens"]
+    index = header.metadata.get(f"tokenizer.ggml.{key}_token_id")
+    return tokens[index] if isinstance(index, int) and 0 <= index < len(tokens) else None
+
+
+def _wrap(header: GGUFHeader, backend: Tokenizer) -> PreTrainedTokenizerFast:
+    meta = header.metadata
     return PreTrainedTokenizerFast(
         tokenizer_object=backend,
-        bos_token=bos,
-        eos_token=special("eos"),
-        unk_token=special("unknown"),
-        pad_token=special("padding"),
+        bos_token=_special(header, "bos"),
+        eos_token=_special(header, "eos"),
+        unk_token=_special(header, "unknown"),
+        pad_token=_special(header, "padding"),
         chat_template=meta.get("tokenizer.chat_template"),
         model_max_length=int(header.arch_value("context_length", 2048)),
         clean_up_tokenization_spaces=False,

@@ -1,8 +1,10 @@
 """One entry point for every model spec: a local mlx-lm directory, a Hugging Face repo id,
-a .gguf file, or "default". Returns the mlx-lm model, its tokenizer and what the engine needs."""
+a .gguf file, or a hosted model's name ("default", "gemma3-270m"). Returns the mlx-lm model,
+its tokenizer and what the engine needs."""
 
 from __future__ import annotations
 
+import importlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from ..errors import ModelLoadError
 from ..platform import mlx_device
 from . import gguf
-from .default import default_model_path, ensure_default_model
+from .default import HOSTED, default_model_path, ensure_model
 from .gguf_tokenizer import tokenizer_from_gguf
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "quantized")
@@ -53,10 +55,13 @@ def resolve_dtype(dtype: str) -> str:
 
 
 def load(spec: str | None = None, dtype: str = "auto", quiet: bool = False) -> LoadedModel:
-    """Load a target or draft model. `spec`: None or "default", a path, or a hub id."""
+    """Load a target or draft model. `spec`: None, a hosted model's name ("default",
+    "gemma3-270m": fetched on first use), a path, or a hub id."""
     dtype = resolve_dtype(dtype)
-    if spec in (None, "", "default"):
-        return _load_gguf(ensure_default_model(quiet), dtype, name="default")
+    if spec in (None, ""):
+        spec = "default"
+    if spec in HOSTED:
+        return _load_gguf(ensure_model(HOSTED[spec], quiet), dtype, name=spec)
     path = Path(spec).expanduser()
     if path.is_file():
         if path.suffix == ".gguf" or _has_gguf_magic(path):
@@ -83,38 +88,25 @@ def _has_gguf_magic(path: Path) -> bool:
 
 
 def _load_gguf(path: Path, dtype: str, name: str) -> LoadedModel:
-    from mlx_lm.models import llama
-
     header = gguf.read_header(path)
     try:
-        config = gguf.llama_config(header)
+        config = gguf.model_config(header)
         tokenizer = tokenizer_from_gguf(header)
     except (TypeError, ValueError, KeyError, IndexError) as e:
         # Values of the wrong type or range in a header that is otherwise well formed.
         raise ModelLoadError(f"{path}: malformed metadata ({type(e).__name__}: {e})") from e
-    try:
-        raw = mx.load(str(path))
-    except (RuntimeError, ValueError) as e:
-        raise ModelLoadError(f"{path}: MLX could not read the tensors ({e})") from e
-
-    weights: dict[str, mx.array] = {}
-    for key, value in raw.items():
-        # mx.load splits a quantized tensor into "<name>.weight/.scales/.biases".
-        target = gguf.mlx_lm_name(key)
-        if target is None:
-            raise ModelLoadError(f"{path}: unexpected tensor '{key}' for a llama model")
-        if ".q_proj." in target:
-            value = gguf.unpermute_rows(value, config["num_attention_heads"])
-        elif ".k_proj." in target:
-            value = gguf.unpermute_rows(value, config["num_key_value_heads"])
-        weights[target] = value
-
-    model = llama.Model(llama.ModelArgs.from_dict(config))
+    weights = gguf.to_mlx_lm(header, config, gguf.load_tensors(header))
+    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = arch.Model(arch.ModelArgs.from_dict(config))
+    # Drops the output projection where the file ties it to the embedding.
+    weights = model.sanitize(weights)
     _quantize_like(model, weights)
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as e:
-        raise ModelLoadError(f"{path}: tensors do not match the llama layout ({e})") from e
+        raise ModelLoadError(
+            f"{path}: tensors do not match the {header.architecture} layout ({e})"
+        ) from e
     eos = {tokenizer.eos_token_id} | {
         header.metadata[k] for k in ("tokenizer.ggml.eot_token_id",) if k in header.metadata
     }

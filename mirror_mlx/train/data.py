@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
+from ..models import split
 from ..models.load import LoadedModel
 from ..progress import Progress
 from .prompts import PromptSpec, make_prompts
@@ -52,7 +53,9 @@ def sample_batch(model, prompts: list[list[int]], temps: list[float], max_new: i
             pads = [width - len(prompts[i]) for i in take]
             fresh = [BatchKVCache(pads) for _ in model.layers]
             padded = mx.array([[0] * p + prompts[i] for p, i in zip(pads, take)])
-            new_logits = model(padded, cache=fresh)[:, -1]
+            # The output layer at the last position only: over every prompt position it would
+            # be batch x width x vocabulary floats (gigabytes for Gemma's 262,144 tokens).
+            new_logits = split.lm_head(model, model.model(padded, cache=fresh)[:, -1])
             if cache is None:
                 cache, logits = fresh, new_logits
             else:
@@ -97,6 +100,9 @@ def sample_batch(model, prompts: list[list[int]], temps: list[float], max_new: i
 
 
 def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    if tokenizer.chat_template is None:
+        # A completion model (a base model such as Gemma 3 270M) continues the turns as text.
+        return tokenizer.encode("\n\n".join(m["content"] for m in messages) + "\n\n")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     return tokenizer.encode(text, add_special_tokens=False)
 

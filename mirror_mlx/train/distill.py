@@ -23,7 +23,7 @@ from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
 from ..draft.load import SHIPPED_DRAFT, load_folder, target_info
 from ..draft.net import DraftConfig, DraftNet, llama_source
-from ..errors import InvalidParameter
+from ..errors import InvalidParameter, ModelLoadError
 from ..models.load import LoadedModel
 from ..progress import Progress
 from . import feature
@@ -97,14 +97,19 @@ def head_positions(head: list[int], vocab: int) -> np.ndarray:
 
 def init_draft(target: LoadedModel, layers: int, head_tokens: list[int],
                streams: int = 0) -> DraftNet:
-    """The target's first `layers` layers, final norm and (restricted) tied head, as copies."""
+    """The target's first `layers` layers, final norm and (restricted) tied head, as copies.
+    A target whose layers are not of the plain llama form (Gemma 3) gives only its head rows:
+    the layers start from MLX's random initialization."""
     args = target.model.args
     config = DraftConfig.like(args, layers, head_tokens=head_tokens, stream_count=streams,
                               target=target_info(target))
     net = DraftNet(config)
-    source = llama_source(target.model, layers)
-    weights = {k: v for k, v in tree_flatten(source.parameters())
-               if k.startswith(("layers.", "norm."))}
+    try:
+        source = llama_source(target.model, layers)
+        weights = {k: v for k, v in tree_flatten(source.parameters())
+                   if k.startswith(("layers.", "norm."))}
+    except ModelLoadError:  # layers of another form (Gemma 3's norms, qk-norm): start random
+        weights = {}
     embed = target.model.model.embed_tokens
     weights["head.weight"] = embed.weight[mx.array(head_tokens)]
     net.load_weights(list(weights.items()), strict=False)
