@@ -103,7 +103,11 @@ def test_gemma3_target_from_a_folder(tokenizer, tmp_path):
 
 
 def test_core_ml_export_takes_the_plain_llama_form_only(tokenizer):
-    target = loaded(tiny("llama"), tokenizer, "llama")
+    from mlx_lm.models import llama
+
+    # head_dim 32: the Neural Engine runs states whose sizes are multiples of 32 only.
+    plain = llama.Model(llama.ModelArgs.from_dict({**config("llama"), "head_dim": 32}))
+    target = loaded(plain, tokenizer, "llama")
     spec, _ = package_spec(load_draft("self:2", target), context=256, max_branch_tokens=8)
     assert spec.config.num_layers == 2
     for family in ("llama3-rope", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"):
