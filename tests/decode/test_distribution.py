@@ -143,11 +143,11 @@ def sd_adaptive(target, cache, drafter, committed, sampler, stats, **kw):
                        limit=64, **kw)
 
 
+# Lookup copies the same way for every decoder: one case with it keeps the suite short.
 @pytest.mark.parametrize("decode,draft,lookup", [
-    (sd, "tokens", True), (mirror_sd, "tokens", False), (sd_adaptive, "features", False),
+    (mirror_sd, "tokens", False), (sd_adaptive, "features", False),
     (mirror_sd, "features", True),
-], ids=["sd-lookup", "mirror-network", "sd-adaptive-features-network",
-        "mirror-features-lookup"])
+], ids=["mirror-network", "sd-adaptive-features-network", "mirror-features-lookup"])
 def test_sampled_sequences_follow_the_target_distribution(models, feature_drafter, decode,
                                                           draft, lookup):
     target, drafter = models

@@ -32,10 +32,10 @@ def test_every_path_taken_and_tokens_identical(target, reference):
     seen = Counter()
     # A draft equal to the target is always right (early reuse); a draft of 27 of the 30
     # layers is right sometimes (branch hits at several positions, and fallbacks).
-    for draft in ("self:30", "self:27"):
+    for draft, prompts in (("self:30", 1), ("self:27", 3)):
         with Engine(target, mode="mirror", draft=draft, gamma=5, kappa=8,
                     branch_budget=4) as engine:
-            for prompt, expected in reference.items():
+            for prompt, expected in list(reference.items())[:prompts]:
                 engine.session.reset()
                 engine.session.timeline = []
                 assert engine.generate(prompt, max_tokens=32).token_ids == expected
