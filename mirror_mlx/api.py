@@ -132,7 +132,8 @@ class Engine:
                  gamma: int | None = None, kappa: int = 8, exit_layer: int | None = None,
                  exit_head: str | None = None, branch_budget: int | None = None,
                  branch_source: str = "union", lookup: bool = True,
-                 separate_units: bool = False, quiet: bool = False):
+                 separate_units: bool = False, draft_device: str | None = None,
+                 quiet: bool = False):
         self._turns = _Turns()
         self._closed = False
         self._closing = threading.Lock()
@@ -148,8 +149,13 @@ class Engine:
         settings.check(model.num_layers)
         if mode != "ar":
             # A spec names a draft (draft/select.py); a Drafter is used as it is.
-            self.drafter = make_drafter(draft, model) if draft is None or isinstance(draft, str) \
-                else draft
+            if draft is None or isinstance(draft, str):
+                self.drafter = make_drafter(draft, model, draft_device)
+            elif draft_device not in (None, "auto"):
+                raise InvalidParameter("draft_device places a draft named by its spec; a "
+                                       "Drafter object runs where it was built")
+            else:
+                self.drafter = draft
             if mode == "mirror":
                 # The exit reads out only the tokens the draft's head knows (split.ExitVocab).
                 ids = self.drafter.head_ids

@@ -32,6 +32,7 @@ def _decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gamma", type=_auto_or_int, default=None, metavar="auto|N",
                    help="drafted tokens per step: auto (default) drafts while the draft's "
                         "confidence says a token is worth its measured cost; N fixes it")
+    _draft_device_arg(p)
     p.add_argument("--kappa", type=int, default=8, help="early-exit top-k per position")
     p.add_argument("--exit-layer", type=int, default=None,
                    help="layer whose output feeds the early exit (default: the exit head's, "
@@ -46,6 +47,12 @@ def _decoding_args(p: argparse.ArgumentParser) -> None:
                         "compute); N pins the early rollout and N branches")
     p.add_argument("--branch-source", default="union", choices=("exit", "draft", "union"),
                    help="where branch tokens come from")
+
+
+def _draft_device_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--draft-device", default="auto", choices=("auto", "cpu", "gpu"),
+                   help="auto: the Neural Engine (Core ML) where the draft has a package and "
+                        "Core ML runs, else MLX beside the target; cpu or gpu: MLX there")
 
 
 def _auto_or_int(text: str) -> int | None:
@@ -132,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sd and mirror draft with the draft network only (as mlx-lm-sd does)")
     p.add_argument("--branch-budget", type=_auto_or_int, default=None, metavar="auto|N",
                    help="Mirror-SD's work beside the target (as for generate)")
+    p.add_argument("--exit-head", default=None,
+                   help="Mirror-SD's exit head (as for generate): a file trained by "
+                        "distill-exit, 'none' or 'default'")
+    _draft_device_arg(p)
     p.add_argument("--separate-units", action="store_true",
                    help="a core each for target and draft in every mode (one BLAS thread per "
                         "call, the draft on its own thread): drafting on a unit of its own")
@@ -227,7 +238,7 @@ def _engine(args, quiet: bool = False):
                   context=args.context, gamma=args.gamma, kappa=args.kappa,
                   exit_layer=args.exit_layer, exit_head=args.exit_head,
                   branch_budget=args.branch_budget, branch_source=args.branch_source,
-                  lookup=args.lookup, quiet=quiet)
+                  lookup=args.lookup, draft_device=args.draft_device, quiet=quiet)
 
 
 def cmd_generate(args) -> None:
@@ -314,8 +325,9 @@ def cmd_bench(args) -> None:
                          max_tokens=args.max_tokens, temperature=args.temp,
                          repeats=args.repeats, gamma=args.gamma, seed=args.seed,
                          draft=args.draft, lookup=args.lookup,
-                         branch_budget=args.branch_budget, separate_units=args.separate_units,
-                         energy_seconds=args.energy_seconds)
+                         branch_budget=args.branch_budget, exit_head=args.exit_head,
+                         draft_device=args.draft_device,
+                         separate_units=args.separate_units, energy_seconds=args.energy_seconds)
     out = Path(args.out)
     bench_command(args.target, args.prompts, config, out, energy=args.energy,
                   per_category=args.per_category, dtype=args.dtype,

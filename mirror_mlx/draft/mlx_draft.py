@@ -124,12 +124,13 @@ def _split(net: DraftNet, rows: mx.array) -> list[mx.array]:
 class MLXDrafter:
     """A Drafter whose jobs run, in order, on one worker thread."""
 
-    def __init__(self, net: DraftNet, top_k: int = 4):
+    def __init__(self, net: DraftNet, top_k: int = 4, device: mx.Device | None = None):
         self.net = net
+        self._device = device or mx.default_device()
         self.vocab_size = net.config.vocab_size
         self.context = None
         self.head_ids = np.array(net.head_ids)  # the tokens its head scores
-        self.compute = f"mlx:{device_name(mx.default_device())}"  # where its stream computes
+        self.compute = f"mlx:{device_name(self._device)}"  # where its stream computes
         self.feature_layers = tuple(net.config.feature_layers)
         self.top_k = top_k
         self._executor = MLXExecutor(net)
@@ -140,7 +141,7 @@ class MLXDrafter:
                                         initializer=self._make_stream)
 
     def _make_stream(self) -> None:
-        self._stream = mx.new_stream(mx.default_device())
+        self._stream = mx.new_stream(self._device)
 
     def submit(self, job: Job) -> Future[JobResult]:
         return self._pool.submit(self._run, job)

@@ -23,10 +23,14 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import mlx.core as mx
+
 from ..api import Engine
 from ..decode.sampling import SamplingParams
+from ..decode.schedule import device_name
 from ..draft.load import load_draft
 from ..draft.net import DraftNet
+from ..draft.select import mlx_device
 from ..errors import InvalidParameter
 from ..models.load import LoadedModel
 from ..platform import set_blas_threads
@@ -53,6 +57,8 @@ class BenchConfig:
     draft: str | None = None  # draft spec (draft/load.py); None: the default draft
     lookup: bool = True  # sd and mirror also draft by copying from the context (draft/lookup.py)
     branch_budget: int | None = None  # mirror's work beside the target; None: auto
+    exit_head: str | None = None  # mirror's exit head spec (draft/load.py); None: the default
+    draft_device: str = "auto"  # where sd's and mirror's draft runs (draft/select.py)
     # A core each for the target and the draft (one BLAS thread per call, the draft on its own
     # thread), for every mode: drafting beside the target on a unit of its own, on one host.
     separate_units: bool = False
@@ -168,6 +174,7 @@ def _open_modes(target: LoadedModel, config: BenchConfig) -> tuple[Engine, dict[
                 modes[name] = _Mode(name, target, config, engine=Engine(
                     target, mode=name, draft=config.draft, gamma=config.gamma,
                     lookup=config.lookup, branch_budget=config.branch_budget,
+                    exit_head=config.exit_head, draft_device=config.draft_device,
                     separate_units=config.separate_units))
             elif name == "mlx-lm":
                 modes[name] = _Mode(name, target, config)
@@ -258,10 +265,14 @@ def run_bench(target: LoadedModel, prompts: list[BenchPrompt], config: BenchConf
 
 def _check_units(target: LoadedModel, net: DraftNet | None, config: BenchConfig) -> dict:
     """Where target and draft compute, and how much the draft beside slows the target."""
+    on = mlx_device(config.draft_device)
     units = {"separate_units": config.separate_units,
-             "blas_threads": 1 if config.separate_units else os.cpu_count()}
+             "blas_threads": 1 if config.separate_units else os.cpu_count(),
+             "target_device": device_name(mx.default_device()),
+             "draft_device": device_name(on or mx.default_device())}
     if net is not None:
-        units |= measure_contention(target, net, (config.gamma or MLX_LM_GAMMA) + 1)
+        units |= measure_contention(target, net, (config.gamma or MLX_LM_GAMMA) + 1,
+                                    draft_device=on)
     return units
 
 

@@ -31,9 +31,10 @@ def median_ms(step, n: int) -> float:
 
 
 def measure_contention(target: LoadedModel, net: DraftNet, window: int = 6,
-                       n: int = 12) -> dict:
+                       n: int = 12, draft_device: mx.Device | None = None) -> dict:
     """{"target_alone_ms", "target_beside_ms", "slowdown", "draft_alone_ms",
-    "draft_beside_ms"}: medians of `n` forwards over `window` tokens."""
+    "draft_beside_ms"}: medians of `n` forwards over `window` tokens, the draft's on
+    `draft_device` (default: the target's)."""
     model = target.model
     cache = make_prompt_cache(model)
     tokens = mx.arange(CONTEXT)[None] % target.vocab_size
@@ -53,7 +54,7 @@ def measure_contention(target: LoadedModel, net: DraftNet, window: int = 6,
 
     def draft_loop() -> None:
         # A stream belongs to the thread that makes it (PLATFORM.md), as in MLXDrafter.
-        with mx.stream(mx.new_stream(mx.default_device())):
+        with mx.stream(mx.new_stream(draft_device or mx.default_device())):
             while not stop.is_set():
                 start = time.perf_counter()
                 # A batched rollout forward's size.

@@ -258,8 +258,12 @@ def markdown(doc: dict, plots: dict[str, str]) -> str:
     if u or sched.get("plan_steps"):
         lines += ["", "## Compute units and Mirror-SD's schedule", ""]
     if u:
+        where = (u.get("target_device", "cpu"), u.get("draft_device", "cpu"))
         layout = ("A core each for target and draft (one BLAS thread per call)"
-                  if u["separate_units"] else "Target and draft share the cores")
+                  if u["separate_units"] else
+                  f"The target computes on the {where[0]}, the draft on the {where[1]}"
+                  if where[0] != where[1] else
+                  "Target and draft share the " + ("cores" if where[0] == "cpu" else "GPU"))
         if "slowdown" in u:
             layout += (f"; a target verification forward takes {u['target_alone_ms']:.1f} ms "
                        f"alone and {u['target_beside_ms']:.1f} ms with the draft computing "

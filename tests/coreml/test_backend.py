@@ -4,11 +4,13 @@ the reference holds callers to Core ML's input rules, and the backend is chosen 
 
 import dataclasses
 import importlib.util
+import warnings
 from collections import Counter
 from pathlib import Path
 
 from mirror_mlx.api import Engine
 from mirror_mlx.decode.mirror import MirrorConfig
+from mirror_mlx.decode.schedule import draft_units
 from mirror_mlx.draft.base import Job
 from mirror_mlx.draft.coreml_draft import (
     CoreMLDrafter,
@@ -20,10 +22,11 @@ from mirror_mlx.draft.coreml_package import source_sha256
 from mirror_mlx.draft.load import load_draft
 from mirror_mlx.draft.mlx_draft import MLXDrafter
 from mirror_mlx.draft.select import _open_or_mlx, beside, make_drafter
-from mirror_mlx.errors import IncompatibleDraft, ModelLoadError, PromptTooLong
+from mirror_mlx.errors import IncompatibleDraft, InvalidParameter, ModelLoadError, PromptTooLong
 from mirror_mlx.platform import coreml_can_run, coremltools_problem
 from mirror_mlx.session import DecodeSettings, Session
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -182,6 +185,33 @@ def test_backend_choice_without_coreml(target, small_draft, small_draft_folder, 
         drafter.close()
     with pytest.raises(ModelLoadError, match="no such Core ML package"):
         make_drafter(str(small_draft_folder / "missing.mlpackage"), target)
+
+
+def test_draft_device_runs_the_draft_with_mlx_there(target, small_draft, small_draft_folder,
+                                                    package):
+    """--draft-device cpu runs the draft with MLX on the CPU, on a Mac too: neither the
+    package beside the draft nor a package named is opened with Core ML, and nothing warns."""
+    C = target.tokenizer.encode(PROMPTS[4])
+    expected = MLXDrafter(small_draft)
+    want = expected.submit(Job([C], 4)).result().rollouts[0].tokens
+    expected.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        drafters = [make_drafter(str(small_draft_folder), target, "cpu"),
+                    make_drafter(str(package), target, "cpu")]
+    for drafter in drafters:
+        assert isinstance(drafter, MLXDrafter) and drafter.compute == "mlx:cpu"
+        assert drafter.submit(Job([C], 4)).result().rollouts[0].tokens == want
+        # Beside a target on the GPU, the scheduler counts the CPU as a unit of its own.
+        assert draft_units(drafter)[0] == (mx.default_device() == mx.gpu)
+        drafter.close()
+    with pytest.raises(InvalidParameter, match="one of auto, cpu, gpu"):
+        make_drafter(str(small_draft_folder), target, "npu")
+    if not mx.is_available(mx.gpu):
+        with pytest.raises(InvalidParameter, match="MLX has no gpu on this machine"):
+            make_drafter(str(small_draft_folder), target, "gpu")
+    with pytest.raises(InvalidParameter, match="a Drafter object runs where it was built"):
+        Engine(target, mode="sd", draft=MLXDrafter(small_draft), draft_device="cpu")
 
 
 def test_package_for_another_vocabulary_is_refused(package_spec, target):

@@ -34,13 +34,15 @@ def test_bench_end_to_end(default_gguf, tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "mirror_mlx", "bench", "--target", str(default_gguf),
          "--prompts", str(prompts), "--max-tokens", "4", "--gamma", "2",
-         "--energy-seconds", "1", "--separate-units", "--branch-budget", "2", "--out", str(out)],
+         "--energy-seconds", "1", "--separate-units", "--branch-budget", "2",
+         "--draft-device", "cpu", "--exit-head", "none", "--out", str(out)],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     assert "energy: " in done.stderr and "bench [" in done.stderr  # meter choice, progress
 
     doc = json.loads((out / "bench.json").read_text())
     assert doc["config"]["modes"] == MODES and doc["config"]["max_tokens"] == 4
+    assert doc["config"]["exit_head"] == "none" and doc["config"]["draft_device"] == "cpu"
     assert doc["machine"]["mlx_version"] and doc["versions"]["mlx-lm"]
     runs = doc["runs"]
     assert len(runs) == 5 * 3  # five modes x (one single-turn + one two-turn question)
@@ -72,7 +74,7 @@ def test_bench_end_to_end(default_gguf, tmp_path):
     labels = {s["label"] for s in doc["timeline"]}
     assert {"target_prefix", "target_suffix"} <= labels  # a pinned budget splits every step
     units = summary["units"]
-    assert units["separate_units"] and units["blas_threads"] == 1
+    assert units["separate_units"] and units["blas_threads"] == 1 and units["draft_device"] == "cpu"
     assert units["target_alone_ms"] > 0 and units["slowdown"] > 0
     assert summary["schedule"]["plan_steps"] == {"early+2": sum(
         r["stats"]["target_steps"] for r in runs if r["mode"] == "mirror")}
