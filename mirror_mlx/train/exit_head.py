@@ -28,7 +28,7 @@ TOP = 64  # final-distribution tokens kept as soft targets
 
 @dataclass
 class Activations:
-    hidden: dict[int, np.ndarray]  # layer -> (N, hidden) float16, after that layer
+    hidden: dict[int, np.ndarray]  # layer -> (N, hidden) float32, after that layer
     top_ids: np.ndarray  # (N, TOP) the final distribution's best tokens
     top_logp: np.ndarray  # (N, TOP) their log-probabilities
 
@@ -52,7 +52,8 @@ def collect(target: LoadedModel, items: list[Example], layers: list[int],
         for layer in sorted(layers):
             split.run_layers(model, p, done, layer)
             done = layer
-            hidden[layer].append(p.h[0, keep].astype(mx.float16))
+            # float32: Gemma's residual stream outgrows float16's range in its middle layers.
+            hidden[layer].append(p.h[0, keep].astype(mx.float32))
         split.run_layers(model, p, done, len(model.layers))
         final = split.final_logits(model, p.h[0, keep])
         top_i, top_lp = split.top_k(final, TOP)

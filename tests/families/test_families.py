@@ -11,6 +11,9 @@ from mirror_mlx.draft.net import DraftNet, llama_source
 from mirror_mlx.errors import IncompatibleDraft, ModelLoadError
 from mirror_mlx.models import split
 from mirror_mlx.models.load import LoadedModel
+from mirror_mlx.train.distill import Example
+from mirror_mlx.train.exit_head import collect
+from mirror_mlx.train.feature import target_features
 
 import mlx.core as mx
 import numpy as np
@@ -147,3 +150,29 @@ def test_distill_starts_from_the_plain_llama_form_only():
     assert not llama_source(tiny("llama"), 2).unlike_llama
     with pytest.raises(ModelLoadError, match="qk-norm"):
         llama_source(tiny("qwen3"), 2)
+
+
+def test_training_reads_hidden_states_past_float16(tokenizer):
+    """Gemma's residual stream outgrows float16 (Gemma 3 270M's passes 65,504 from its 8th
+    layer): the exit head's data keeps such states as they are, and a feature draft's stored
+    features keep their direction (the draft reads them through an RMS norm), never inf."""
+    model = tiny("gemma3_text")
+    model.model.embed_tokens.weight = model.model.embed_tokens.weight * 1e6
+    target = loaded(model, tokenizer, "gemma-large")
+    tokens = np.array(PROMPT)
+    p = split.start(model, mx.array(tokens[None]), [None] * len(model.layers), [1, 3])
+    split.run_layers(model, p, 0, 3)
+    raw = [np.array(f[0]) for f in p.features]
+    assert min(np.abs(f).max() for f in raw) > 65504  # past float16 at both layers
+
+    item = Example(tokens, 4, np.zeros((len(PROMPT) - 4, 1), np.int32),
+                   np.zeros((len(PROMPT) - 4, 1), np.float32))
+    acts = collect(target, [item], [1, 3], 100)
+    np.testing.assert_allclose(acts.hidden[3], raw[1][3:-1], rtol=1e-5)
+    assert np.isfinite(acts.top_logp).all()
+
+    stored = target_features(target, [tokens], [1, 3])[0].astype(np.float32)
+    assert np.isfinite(stored).all()
+    for f, s in zip(raw, np.split(stored, 2, axis=-1)):
+        unit = f / np.sqrt((f * f).mean(-1, keepdims=True))
+        np.testing.assert_allclose(s, unit, atol=5e-3)
