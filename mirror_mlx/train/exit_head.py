@@ -115,8 +115,9 @@ def choose_exit(target: LoadedModel, items: list[Example], layer: int | None,
                 kappa: int = 8, goal: float = 0.8, positions: int = 40_000,
                 seed: int = 0) -> tuple[split.ExitHead, list[dict]]:
     """Train the head at `layer`, or (layer None) at several depths, keeping the shallowest
-    whose held-out top-kappa coverage reaches `goal` (else the best). Returns the head and a
-    per-layer coverage table (raw logit lens and trained head)."""
+    whose held-out top-kappa coverage (the trained head's, or the raw lens's where that is
+    better) reaches `goal` (else the best). Returns the head and a per-layer coverage table
+    (raw logit lens and trained head)."""
     n = target.num_layers
     candidates = [layer] if layer else sorted({n // 2, 2 * n // 3, 3 * n // 4, 5 * n // 6})
     raw_layers = sorted(set(candidates) | set(range(max(1, n // 3), n, max(1, n // 10))))
@@ -129,15 +130,22 @@ def choose_exit(target: LoadedModel, items: list[Example], layer: int | None,
         ks = (1, 4, kappa)
         row = {"layer": lay, "raw": coverage(model, test_h, acts.top_ids[split_at:], None, ks)}
         if lay in candidates:
-            heads[lay] = train_head(model, lay, acts.hidden[lay][:split_at],
-                                    acts.top_ids[:split_at], acts.top_logp[:split_at],
-                                    seed=seed)
-            row["tuned"] = coverage(model, test_h, acts.top_ids[split_at:], heads[lay], ks)
+            head = train_head(model, lay, acts.hidden[lay][:split_at],
+                              acts.top_ids[:split_at], acts.top_logp[:split_at], seed=seed)
+            row["tuned"] = coverage(model, test_h, acts.top_ids[split_at:], head, ks)
+            # Training starts from the raw lens (a zero map) and can end below it where hidden
+            # states are large (Gemma's reach 1e5, and Adam's steps overshoot): keep the
+            # better, so a head never costs coverage. A zero head is the raw lens.
+            row["kept"] = "trained" if row["tuned"][kappa] > row["raw"][kappa] else "raw"
+            heads[lay] = head if row["kept"] == "trained" else split.ExitHead(lay, test_h.shape[1])
         rows.append(row)
     tuned = [r for r in rows if "tuned" in r]
-    good = [r for r in tuned if r["tuned"][kappa] >= goal]
-    pick = min(good, key=lambda r: r["layer"]) if good else max(
-        tuned, key=lambda r: r["tuned"][kappa])
+
+    def kept(r: dict) -> float:
+        return max(r["tuned"][kappa], r["raw"][kappa])
+
+    good = [r for r in tuned if kept(r) >= goal]
+    pick = min(good, key=lambda r: r["layer"]) if good else max(tuned, key=kept)
     return heads[pick["layer"]], rows
 
 
@@ -162,10 +170,10 @@ def run_distill_exit(target: LoadedModel, data: Path, out: Path, layer: int | No
 
 def format_table(table: list[dict], kappa: int) -> str:
     head = f"top-1/4/{kappa}"
-    lines = [f"{'layer':>5}  {'raw ' + head:>18}  {'trained ' + head:>22}"]
+    lines = [f"{'layer':>5}  {'raw ' + head:>18}  {'trained ' + head:>22}  kept"]
     for row in table:
         raw = "/".join(f"{100 * v:.0f}%" for v in row["raw"].values())
         tuned = "/".join(f"{100 * v:.0f}%" for v in row["tuned"].values()) if "tuned" in row \
             else "-"
-        lines.append(f"{row['layer']:>5}  {raw:>18}  {tuned:>22}")
+        lines.append(f"{row['layer']:>5}  {raw:>18}  {tuned:>22}  {row.get('kept', '')}")
     return "\n".join(lines)

@@ -68,8 +68,9 @@ def init_feature_draft(target: LoadedModel, layers: int, head_tokens: list[int],
 def target_features(target: LoadedModel, token_lists: list[np.ndarray], layers: list[int],
                     batch: int = 8, progress: Progress | None = None) -> list[np.ndarray]:
     """Per token list (T,), the target's outputs of `layers` after each token, each divided by
-    its root mean square, concatenated: (T, len(layers) * hidden) float16. Lists are run in batches of similar length (padding at
-    the end changes nothing before it under a causal mask)."""
+    its root mean square, concatenated: (T, len(layers) * hidden) float16. Lists are run in
+    batches of similar length (padding at the end changes nothing before it under a causal
+    mask)."""
     model = target.model
     out: list[np.ndarray | None] = [None] * len(token_lists)
     order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))

@@ -12,7 +12,7 @@ from mirror_mlx.errors import IncompatibleDraft, ModelLoadError
 from mirror_mlx.models import split
 from mirror_mlx.models.load import LoadedModel
 from mirror_mlx.train.distill import Example
-from mirror_mlx.train.exit_head import collect
+from mirror_mlx.train.exit_head import choose_exit, collect
 from mirror_mlx.train.feature import target_features
 
 import mlx.core as mx
@@ -176,3 +176,20 @@ def test_training_reads_hidden_states_past_float16(tokenizer):
     for f, s in zip(raw, np.split(stored, 2, axis=-1)):
         unit = f / np.sqrt((f * f).mean(-1, keepdims=True))
         np.testing.assert_allclose(s, unit, atol=5e-3)
+
+
+def test_exit_head_never_costs_coverage(tokenizer):
+    """distill-exit keeps the raw logit lens (a zero head) where training ends below it, as
+    with hidden states as large as Gemma's, and the trained head where it does better."""
+    rng = np.random.default_rng(0)
+    items = [Example(rng.integers(0, VOCAB, 64), 4, None, None) for _ in range(14)]
+    for scale, kept in ((1e6, "raw"), (1.0, "trained")):
+        model = tiny("gemma3_text")
+        model.model.embed_tokens.weight = model.model.embed_tokens.weight * scale
+        head, rows = choose_exit(loaded(model, tokenizer, "gemma"), items, 2, kappa=1, goal=1.0,
+                                 positions=800)
+        row = next(r for r in rows if r["layer"] == 2)
+        assert row["kept"] == kept and head.layer == 2
+        better = row["tuned"][1] > row["raw"][1]
+        assert better == (kept == "trained")
+        assert bool(mx.any(head.proj.weight != 0)) == better
