@@ -7,6 +7,7 @@ import json
 import sys
 
 from .errors import MirrorError
+from .platform import DRAFT_DEVICES
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -50,7 +51,7 @@ def _decoding_args(p: argparse.ArgumentParser) -> None:
 
 
 def _draft_device_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--draft-device", default="auto", choices=("auto", "cpu", "gpu"),
+    p.add_argument("--draft-device", default="auto", choices=DRAFT_DEVICES,
                    help="auto: the Neural Engine (Core ML) where the draft has a package and "
                         "Core ML runs, else MLX beside the target; cpu or gpu: MLX there")
 

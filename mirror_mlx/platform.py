@@ -84,6 +84,10 @@ def macos_version() -> tuple[int, ...]:
     return tuple(int(p) for p in _platform.mac_ver()[0].split(".") if p.isdigit())
 
 
+# Where a draft may be asked to run (--draft-device): auto is draft/select.py's choice.
+DRAFT_DEVICES = ("auto", "cpu", "gpu")
+
+
 def mlx_device() -> str:
     """The device MLX computes on by default: 'gpu' (Metal or CUDA) or 'cpu'."""
     import mlx.core as mx

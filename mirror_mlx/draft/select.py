@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from ..errors import InvalidParameter, ModelLoadError
 from ..models.load import LoadedModel
-from ..platform import coreml_can_run, coreml_status, mlx_backend
+from ..platform import DRAFT_DEVICES, coreml_can_run, coreml_status, mlx_backend
 from .base import Drafter
 from .coreml_draft import CoreMLUnavailable, open_package, read_package_spec
 from .coreml_package import source_sha256
@@ -43,9 +43,6 @@ def beside(spec: str | None, target: LoadedModel) -> tuple[Path, Path] | None:
         if draft.exists() and candidate.is_dir():
             return draft, candidate
     return None
-
-
-DRAFT_DEVICES = ("auto", "cpu", "gpu")
 
 
 def mlx_device(name: str | None) -> mx.Device | None:
