@@ -71,6 +71,16 @@ def test_split_forward_is_the_model(family):
         assert mx.array_equal(logits, model(tokens[:, a:b], cache=theirs))
 
 
+def assert_same_logits(ours: mx.array, reference: mx.array) -> None:
+    """Equal up to float32 rounding, on any CPU: BLAS kernels and their blocking differ by
+    processor and by matrix shape (a tree forward against a contiguous one), and their rounding
+    grows with the logits' size; a conversion error moves logits by whole units."""
+    ours, reference = np.array(ours), np.array(reference)
+    worst = float(np.abs(ours - reference).max())
+    assert worst <= 1e-4 * float(np.abs(reference).max()), worst
+    assert (ours.argmax(-1) == reference.argmax(-1)).all()
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_converted_draft_is_the_model(family):
     """All layers converted, past the sliding windows: the draft computes what the model does,
@@ -79,7 +89,7 @@ def test_converted_draft_is_the_model(family):
     model = tiny(family)
     net = DraftNet.from_model(model)
     reference = model(mx.array([PROMPT]))
-    assert mx.allclose(net(mx.array([PROMPT])), reference, atol=1e-4)
+    assert_same_logits(net(mx.array([PROMPT])), reference)
     cache = [KVCache() for _ in net.layers]
     net(mx.array([PROMPT[:10]]), 0, "causal", cache)
     # Tree: the sibling PROMPT[12] at position 10, then the branch PROMPT[10:] at 10, 11, ...
@@ -90,7 +100,7 @@ def test_converted_draft_is_the_model(family):
     mask[0, 10] = True
     mask[1:, 11:] = np.tril(np.ones((6, 6), bool))
     out = net(tokens, positions, mx.array(mask)[None, None], cache)
-    assert mx.allclose(out[:, 1:], reference[:, 10:], atol=1e-4)
+    assert_same_logits(out[:, 1:], reference[:, 10:])
 
 
 def test_gemma3_target_from_a_folder(tokenizer, tmp_path):
