@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -40,7 +41,7 @@ from ..models import split
 from .branches import rank_branches
 from .length import DraftLength
 from .sampling import Sampler
-from .schedule import Scheduler, scheduler_for
+from .schedule import Scheduler, draft_units, scheduler_for
 from .verify import judge, speculative_accept
 
 
@@ -65,6 +66,77 @@ def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
     return max(0.0, min(a[1], b[1]) - max(a[0], b[0]))
 
 
+class Landing:
+    """When the target's dispatched work really completes. An inline drafter computes on the
+    caller's thread, so the caller cannot see the target land while a draft job runs: a thread
+    waits for it instead (`mx.eval` of work already dispatched releases the GIL and only
+    waits) and notes when each group of arrays is done."""
+
+    def __init__(self, groups: list[list[mx.array]]):
+        self.times: list[float | None] = [None] * len(groups)
+        self.landed = threading.Event()
+        self._thread = threading.Thread(target=self._wait, args=(groups,),
+                                        name="mirror-landing", daemon=True)
+        self._thread.start()
+
+    def _wait(self, groups: list[list[mx.array]]) -> None:
+        try:
+            for i, group in enumerate(groups):
+                mx.eval(*group)
+                self.times[i] = time.perf_counter()
+        except Exception:
+            return  # the caller's own evaluation raises it
+        self.landed.set()
+
+    def join(self) -> list[float | None]:
+        self._thread.join()
+        return self.times
+
+
+class Verdict:
+    """The step's verification (accepted drafts, the target's token), judged once: by the
+    decoder after the draft's work, or earlier, as soon as the target has landed, when an
+    inline job asks whether it is still of use (inline jobs run on the decoder's thread, so
+    judging there keeps the sampler's draws in order)."""
+
+    def __init__(self, judge_step: Callable[[], tuple[int, int]], landing: Landing | None):
+        self._judge = judge_step
+        self._landing = landing
+        self._result: tuple[int, int] | None = None
+
+    def known(self) -> tuple[int, int] | None:
+        if self._result is None and self._landing is not None and self._landing.landed.is_set():
+            self._result = self._judge()
+        return self._result
+
+    def result(self) -> tuple[int, int]:
+        if self._result is None:
+            self._result = self._judge()
+        return self._result
+
+
+@dataclass
+class Stop:
+    """A job's cancel flag (`Job.cancel`), one per job: set once verification shows that its
+    rollouts cannot be the next window. Asked from an inline job (`verdict` given), it judges
+    the step as soon as the target lands, so such a job stops then instead of delaying it."""
+
+    useful: Callable[[tuple[int, int]], bool]  # can a rollout serve (accepted, token)?
+    verdict: Verdict | None = None
+    event: threading.Event = field(default_factory=threading.Event)
+
+    def is_set(self) -> bool:
+        if not self.event.is_set() and self.verdict is not None:
+            known = self.verdict.known()
+            if known is not None:
+                self.settle(*known)
+        return self.event.is_set()
+
+    def settle(self, accepted: int, token: int) -> None:
+        if not self.useful((accepted, token)):
+            self.event.set()
+
+
 def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int],
            sampler: Sampler, stats: GenerationStats, config: MirrorConfig, limit: int,
            scheduler: Scheduler | None = None, timeline: list | None = None,
@@ -78,6 +150,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
     feature layers lie at or below it), before verification has ended."""
     if scheduler is None:
         scheduler = scheduler_for(drafter, config.budget, config.separate_units)
+    own_unit = draft_units(drafter, config.separate_units)[0]
     committed = list(committed)
     q_params = None if sampler.params.greedy else sampler.params
     n_layers = len(model.layers)
@@ -87,7 +160,10 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
     length = config.gamma if isinstance(config.gamma, DraftLength) else None
     window: Rollout | None = None
     vocab = None  # the exit's vocabulary for this generation, made on the first split step
-    played: tuple[int, float] | None = None  # the last step's plan and when its window was ready
+    # The plan whose step produced the current window, and when that step began: a plan is
+    # charged the seconds to the next window and credited the tokens that window commits.
+    played: tuple[int, float] | None = None
+    charged: tuple[int, float] | None = None
 
     def mark(label: str, start: float, end: float) -> None:
         if timeline is not None:
@@ -110,21 +186,24 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         drafts = window.tokens[:g] if g else []
         g = len(drafts)
         ready = time.perf_counter()
-        if played is not None:
-            scheduler.record(played[0], ready - played[1])
+        charged = None if played is None else (played[0], ready - played[1])
         index = scheduler.choose()
         plan = scheduler.plans[index]
         played = (index, ready)
         stats.plan_steps[plan.name] = stats.plan_steps.get(plan.name, 0) + 1
         q = window.probs[:g] if g and window.probs is not None else None
-        stop = threading.Event()
+        # Each job stops on its own: a branch hit must not wait behind an early rollout that
+        # verification has made useless, nor the reverse.
+        early_stop = Stop(lambda outcome, g=g: outcome[0] == g)
+        late_stop = None
         window_ids = mx.array([committed[-1:] + drafts])
+        landing = None
 
         # 1. The likeliest outcome needs no early-exit signal: start it now.
         early = None
         if g and plan.early:
             early = drafter.submit(Job([committed + drafts], longest + 1, q_params, "early", True,
-                                       stop, pending, confidence))
+                                       early_stop, pending, confidence))
             pending = []
 
         picks, late = [], None
@@ -136,51 +215,75 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
                 vocab = config.exit_vocab.with_tokens(model, committed)
             p = split.start(model, window_ids, cache, taps)
             split.run_layers(model, p, 0, exit_layer)
-            seen = []  # the window's features at the exit, for the branches
-            if taps and len(p.features) == len(taps):
-                seen = [Features.of(committed + drafts, len(committed) - 1, p.features)]
+            tapped = list(p.features)  # the window's features at the exit, for the branches
             exit_ids, exit_logp = split.exit_top_k(model, p.h[0], config.exit_head, vocab,
                                                    config.kappa)
-            mx.async_eval(exit_ids, exit_logp)
-            drafter.run_pending()
-            mx.eval(exit_ids, exit_logp)
+            mx.async_eval(exit_ids, exit_logp, *tapped)
+            if drafter.inline:
+                # The draft runs on this thread next: queue the suffix behind the prefix
+                # first, so the target never waits for the draft (nor the draft for it).
+                split.run_layers(model, p, exit_layer, n_layers)
+                logits = split.final_logits(model, p.h[0])
+                mx.async_eval(logits)
+                landing = Landing([[exit_ids, exit_logp], [logits]])
+                verdict = Verdict(partial(judge, logits, drafts, q, sampler, accept), landing)
+                early_stop.verdict = verdict
+            drafter.run_pending()  # inline: the early rollout, beside the prefix
+            mx.eval(exit_ids, exit_logp, *tapped)
             t_suffix = time.perf_counter()
-            stats.add_time("target_prefix", t_suffix - t_start)
-            mark("target_prefix", t_start, t_suffix)
+            seen = []
+            if taps and len(tapped) == len(taps):
+                seen = [Features.of(committed + drafts, len(committed) - 1, tapped)]
 
             # 3. The other likely outcomes, rolled out beside the target's suffix.
             picks = rank_branches(
                 drafts, np.array(exit_ids), np.array(exit_logp), window.top_ids[:g],
                 window.top_probs[:g], plan.branches, config.source)
+            outcomes = {(b.r, b.token) for b in picks}
+            late_stop = Stop(outcomes.__contains__, early_stop.verdict)
             late = drafter.submit(Job([committed + drafts[: b.r] + [b.token] for b in picks],
-                                      longest, q_params, "branches", False, stop,
+                                      longest, q_params, "branches", False, late_stop,
                                       pending + seen, confidence))
             pending = []
 
             # 4. Target suffix and verification.
-            split.run_layers(model, p, exit_layer, n_layers)
-            logits = split.final_logits(model, p.h[0])
+            if not drafter.inline:
+                split.run_layers(model, p, exit_layer, n_layers)
+                logits = split.final_logits(model, p.h[0])
+                mx.async_eval(logits)
+                verdict = Verdict(partial(judge, logits, drafts, q, sampler, accept), None)
             feats = p.features
         else:
             # 4. The whole target forward, unsplit: nothing waits for an exit readout.
             t_suffix = t_start
             logits, feats = split.forward(model, window_ids, cache, taps)
             logits = logits[0]
-        mx.async_eval(logits)
+            mx.async_eval(logits)
+            if drafter.inline and early is not None:
+                landing = Landing([[logits]])
+            verdict = Verdict(partial(judge, logits, drafts, q, sampler, accept), landing)
+            early_stop.verdict = verdict if landing else None
         drafter.run_pending()
-        accepted, token = judge(logits, drafts, q, sampler, accept)
+        accepted, token = verdict.result()
         for c in cache:
             c.trim(g - accepted)
         if taps:
             pending.append(Features.of(committed + drafts[:accepted] + [token],
                                        len(committed) - 1, feats, accepted + 1))
         t_done = time.perf_counter()
+        if landing is not None:
+            # The target's own spans, not the inline draft's time on this thread.
+            times = landing.join()
+            t_suffix = (times[0] or t_suffix) if split_pass else t_suffix
+            t_done = times[-1] or t_done
         if split_pass:
             # Positions 0..A saw committed context: there the early exit's guess can be scored.
             guessed = np.array(exit_ids[: accepted + 1])
             truth = np.array(drafts[:accepted] + [token])[:, None]
             stats.exit_positions += accepted + 1
             stats.exit_covered += int((guessed == truth).any(axis=1).sum())
+            stats.add_time("target_prefix", t_suffix - t_start)
+            mark("target_prefix", t_start, t_suffix)
         stats.add_time("target_suffix" if split_pass else "target", t_done - t_suffix)
         if length:
             length.record_target(t_done - t_start, g)
@@ -192,29 +295,38 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         if early is not None:
             hit = next((i for i, b in enumerate(picks) if (b.r, b.token) == (accepted, token)),
                        None)
-            if hit is None and accepted < g:
-                stop.set()  # neither job can be of use any more: end them early
+            for stop in filter(None, (early_stop, late_stop)):
+                stop.settle(accepted, token)
             wait = time.perf_counter()
             early_done = early.result()
+            late_done = late.result() if late is not None else None
             outcome = "fallback"
             if accepted == g and early_done.rollouts[0].tokens[:1] == [token]:
                 window, outcome = _tail(early_done.rollouts[0], 1), "early"
-            late_done = late.result() if late is not None else None
-            if window is None and hit is not None:
+            elif hit is not None:
                 window, outcome = late_done.rollouts[hit], f"branch:{accepted}"
+            if window is not None and not window.tokens and not window.ended:
+                window, outcome = None, "fallback"  # stopped before it drafted anything
             mark(f"outcome:{outcome}", t_done, t_done)
             stats.add_time("wait", time.perf_counter() - wait)
             target_span = (t_start, t_done)
             for job in filter(None, (early_done, late_done)):
                 busy = (job.start, job.end)
+                hidden = _overlap(busy, target_span)
                 stats.add_time("draft", busy[1] - busy[0])
-                stats.add_time("draft_hidden", _overlap(busy, target_span))
+                stats.add_time("draft_hidden", hidden)
                 mark(f"draft_{job.label}", *busy)
+                if length and own_unit and job.forwards and not job.extra.get("lookup"):
+                    # On a unit of its own, what drafting costs the step is the part the
+                    # target did not hide (on shared cores hidden work slows the target).
+                    length.record_draft(busy[1] - busy[0] - hidden, job.forwards)
             if window is not None:
                 stats.reuse_steps += 1
             else:
                 stats.fallback_steps += 1
         stats.record_step(g, accepted)
         new = drafts[:accepted] + [token]
+        if charged is not None:
+            scheduler.record(charged[0], charged[1], len(new))
         committed += new
         yield new

@@ -9,14 +9,17 @@ A plan is a level of that work, from none to the most:
   serial     SD's step: draft the window, then verify it with the whole forward;
   early      the same, with the likeliest next window ("all accepted") rolled out beside it;
   early+b    the forward split at the exit layer, and b branch rollouts beside its suffix.
-Tokens per step do not depend on the plan (same drafts, same verification), so the plan with
-the cheapest step commits the most tokens per second. A step's cost is measured from the
-moment its window is ready to the moment the next one is: the target, the wait for the draft,
-and the fresh drafting when no rollout was of use. The scheduler plays the cheapest plan it
-knows and now and then probes a neighbour or the serial plan, step for step against it on
-the same stretch of text; a probe that loses waits twice as long before the next. It starts
-from what the hardware suggests: serial where the draft shares the target's compute, the full
-budget where it does not. Plans only change the schedule, never what is committed.
+Plans are compared by seconds per committed token, not per step: a plan also decides the next
+window (a reused early rollout can be shorter than a fresh one, or drafted from the draft's
+own states rather than the target's), so a plan with cheaper steps can commit fewer tokens a
+step. A step's cost is measured from the moment its window is ready to the moment the next
+one is (the target, the wait for the draft, and the fresh drafting when no rollout was of
+use); it is credited with the tokens the next step commits, which verify the window it made.
+The scheduler plays the plan that costs least per token and now and then probes a neighbour
+or the serial plan, step for step against it on the same stretch of text; a probe that loses
+waits twice as long before the next. It starts from what the hardware suggests: serial where
+the draft shares the target's compute, the full budget where it does not. Plans only change
+the schedule, never what is committed.
 """
 
 from __future__ import annotations
@@ -69,12 +72,20 @@ class Scheduler:
         self.fixed = fixed
         self.plans = (Plan(True, fixed),) if fixed is not None else plans_up_to(budget)
         self.best = len(self.plans) - 1 if separate or fixed is not None else 0
-        self.cost: list[float | None] = [None] * len(self.plans)  # seconds per step
+        self.seconds: list[float | None] = [None] * len(self.plans)  # per step (running)
+        self.tokens: list[float | None] = [None] * len(self.plans)  # committed per step
         self.samples = [0] * len(self.plans)
         self.backoff = [FIRST_PROBE] * len(self.plans)
         self.since = 0  # steps since the last probe ended
         self.probe: int | None = None
-        self.trial: dict[int, list[float]] = {}  # a probe's step costs, and the current plan's
+        # A probe's steps, and the current plan's meanwhile: (seconds, tokens) each.
+        self.trial: dict[int, list[tuple[float, int]]] = {}
+
+    def cost(self, index: int) -> float | None:
+        """Seconds per committed token under plan `index`, as measured so far."""
+        if self.seconds[index] is None:
+            return None
+        return self.seconds[index] / max(self.tokens[index], 1e-9)
 
     def choose(self) -> int:
         """The index of the plan for the next step (see `plans`)."""
@@ -94,18 +105,21 @@ class Scheduler:
         return self.probe if len(self.trial[self.probe]) <= len(self.trial[self.best]) \
             else self.best
 
-    def record(self, index: int, seconds: float) -> None:
-        """A step played with plan `index` cost `seconds` (window ready to next window ready)."""
-        old = self.cost[index]
-        self.cost[index] = seconds if old is None else old + SMOOTHING * (seconds - old)
+    def record(self, index: int, seconds: float, tokens: int) -> None:
+        """A step played with plan `index` cost `seconds` (window ready to next window ready)
+        and made a window of which `tokens` were committed (with the target's own token)."""
+        for running, new in ((self.seconds, seconds), (self.tokens, tokens)):
+            old = running[index]
+            running[index] = new if old is None else old + SMOOTHING * (new - old)
         self.samples[index] += 1
         if self.probe is None or index not in self.trial:
             self.since += 1
             return
-        self.trial[index].append(seconds)
+        self.trial[index].append((seconds, tokens))
         if min(len(t) for t in self.trial.values()) < PROBE_STEPS:
             return
-        probe, base = (sum(self.trial[i]) / PROBE_STEPS for i in (self.probe, self.best))
+        probe, base = (sum(s for s, _ in self.trial[i]) / max(1, sum(n for _, n in self.trial[i]))
+                       for i in (self.probe, self.best))
         if probe < (1 - MARGIN) * base:
             self.backoff[self.best] = FIRST_PROBE
             self.best = self.probe
@@ -117,9 +131,9 @@ class Scheduler:
         """What it chose and why, in one line."""
         if self.fixed is not None:
             return f"{self.plans[0].name} (fixed by --branch-budget {self.fixed})"
-        known = ", ".join(f"{p.name} {c * 1e3:.0f} ms" for p, c in zip(self.plans, self.cost)
-                          if c is not None)
-        return (f"{self.plans[self.best].name}: {self.where}; measured per step: "
+        known = ", ".join(f"{p.name} {self.cost(i) * 1e3:.0f} ms"
+                          for i, p in enumerate(self.plans) if self.seconds[i] is not None)
+        return (f"{self.plans[self.best].name}: {self.where}; measured per committed token: "
                 f"{known or 'nothing yet'}")
 
 

@@ -10,7 +10,6 @@ follow from the sequences they ask for.
 
 from __future__ import annotations
 
-import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -40,6 +39,12 @@ class Features:
         return Features(line, start, np.array(rows))
 
 
+class Cancel(Protocol):
+    """Asked between a job's forwards (on the thread that runs it) whether to stop."""
+
+    def is_set(self) -> bool: ...
+
+
 @dataclass
 class Job:
     """Draft `n` tokens after each of `sequences` (full token sequences, typically a shared
@@ -55,7 +60,7 @@ class Job:
     sampling: SamplingParams | None = None  # None: greedy
     label: str = "draft"
     compact: bool = True
-    cancel: threading.Event | None = None
+    cancel: Cancel | None = None
     # What the target computed since the last job (a draft that reads features keeps them).
     features: list[Features] = field(default_factory=list)
     # Adaptive length: stop drafting a sequence once the draft's chance that all its tokens
@@ -90,6 +95,7 @@ class Drafter(Protocol):
     head_ids: np.ndarray  # the tokens the draft's head scores (its output vocabulary)
     compute: str  # where it computes: "coreml", or "mlx:" and its MLX device (schedule.py)
     feature_layers: tuple[int, ...]  # target layers it reads (empty: it reads tokens only)
+    inline: bool  # its jobs run on the caller's thread, in `run_pending` (Core ML)
 
     def submit(self, job: Job) -> Future[JobResult]:
         """Queue a job. A threaded drafter starts it at once; an inline one (Core ML on the

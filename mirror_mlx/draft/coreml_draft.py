@@ -211,6 +211,7 @@ class CoreMLDrafter:
         self.head_ids = executor.head_ids  # the tokens its head scores
         self.compute = "coreml"  # on the units the package names (the Neural Engine), not MLX's
         self.feature_layers = tuple(executor.spec.config.feature_layers)
+        self.inline = True
         self.top_k = top_k
         self._executor = executor
         self._state = TreeState()

@@ -69,6 +69,7 @@ class LookupDrafter:
         self.context = inner.context
         self.compute = getattr(inner, "compute", "unknown")
         self.feature_layers = inner.feature_layers
+        self.inline = inner.inline
         # The target's features of jobs answered from the context alone, for the inner
         # drafter's next job (a draft that reads features needs them all, in order).
         self._features: list = []

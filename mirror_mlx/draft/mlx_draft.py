@@ -132,6 +132,7 @@ class MLXDrafter:
         self.head_ids = np.array(net.head_ids)  # the tokens its head scores
         self.compute = f"mlx:{device_name(self._device)}"  # where its stream computes
         self.feature_layers = tuple(net.config.feature_layers)
+        self.inline = False
         self.top_k = top_k
         self._executor = MLXExecutor(net)
         self._state = TreeState()

@@ -22,13 +22,16 @@ import pytest
 from tests.prompts import PROMPTS
 
 
-def play(scheduler: Scheduler, cost: dict[str, float], steps: int) -> list[str]:
-    """Run `steps` steps where each plan's step costs what `cost` says; the plans played."""
+def play(scheduler: Scheduler, cost: dict[str, float], steps: int,
+         tokens: dict[str, int] | None = None) -> list[str]:
+    """Run `steps` steps where each plan's step costs what `cost` says and commits what
+    `tokens` says (2 by default); the plans played."""
     played = []
     for _ in range(steps):
         i = scheduler.choose()
-        played.append(scheduler.plans[i].name)
-        scheduler.record(i, cost[scheduler.plans[i].name])
+        name = scheduler.plans[i].name
+        played.append(name)
+        scheduler.record(i, cost[name], (tokens or {}).get(name, 2))
     return played
 
 
@@ -47,7 +50,7 @@ def test_where_work_beside_costs_more_it_stays_serial_and_probes_ever_less():
     assert set(played) == {"serial", "early"}  # never further than the losing neighbour
     assert played.count("early") < 10 * PROBE_STEPS  # back-off: ever rarer probes
     assert played[-100:].count("serial") >= 100 - PROBE_STEPS
-    assert s.explain().startswith("serial: shared; measured per step: serial 100 ms")
+    assert s.explain().startswith("serial: shared; measured per committed token: serial 50 ms")
 
 
 def test_where_work_beside_pays_it_climbs_to_the_cheapest_plan():
@@ -56,6 +59,18 @@ def test_where_work_beside_pays_it_climbs_to_the_cheapest_plan():
     played = play(s, cost, 600)
     assert s.plans[s.best].name == "early+2"
     assert played[-50:].count("early+2") >= 50 - PROBE_STEPS
+
+
+def test_plans_are_chosen_by_committed_tokens_per_second():
+    """A plan with cheaper steps that commit fewer tokens loses: serial's 100 ms steps commit
+    3 tokens, early's 80 ms steps 2 (its reused windows are shorter)."""
+    s = Scheduler(separate=True, where="separate", budget=0)
+    assert s.plans[s.choose()].name == "early"
+    play(s, {"serial": 0.10, "early": 0.08}, 400, tokens={"serial": 3, "early": 2})
+    assert s.plans[s.best] == SERIAL, s.explain()
+    s = Scheduler(separate=False, where="shared", budget=0)
+    play(s, {"serial": 0.10, "early": 0.12}, 400, tokens={"serial": 2, "early": 3})
+    assert s.plans[s.best].name == "early", s.explain()
 
 
 def test_separate_compute_starts_from_the_full_budget_and_comes_down_when_it_loses():
@@ -112,7 +127,7 @@ def test_a_host_that_shares_compute_gets_the_serial_schedule(target):
         scheduler = engine.session.scheduler
     assert scheduler.plans[scheduler.best] == SERIAL, scheduler.explain()
     assert steps["serial"] >= 0.8 * sum(steps.values()), steps
-    assert scheduler.cost[1] is not None  # the early rollout was measured, and lost
+    assert scheduler.cost(1) is not None  # the early rollout was measured, and lost
     assert stats.schedule.startswith("serial: the draft shares the target's compute")
 
 
