@@ -53,9 +53,8 @@ IGNORED = ("verifier_lm_head.", "verifier_norm.", "rotary_emb.")
 
 @dataclass
 class HeadConfig:
-    """What a head's config.json says, in either layout."""
+    """What a head's config.json says, in either layout (defaults: transformers' llama)."""
 
-    layout: str  # "eagle" (SafeAILab, SpecForge) or "speculators"
     draft: DraftConfig  # its layers, without what depends on the target
     draft_vocab_size: int
     target_hidden: int
@@ -118,12 +117,12 @@ def _parse_config(cfg: dict) -> HeadConfig:
     nested = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     top = cfg.get("eagle_aux_hidden_state_layer_ids")
     head = HeadConfig(
-        layout="speculators" if speculators else "eagle", draft=draft,
+        draft=draft,
         draft_vocab_size=cfg.get("draft_vocab_size") or layer["vocab_size"],
         target_hidden=cfg.get("target_hidden_size") or hidden,
         aux_ids=list(nested) if nested else (list(top) if top else None),
         aux_are_outputs=bool(nested), rope_scaling=scaling,
-        max_positions=layer.get("max_position_embeddings"), qk_norm=kind == "qwen3",
+        max_positions=layer.get("max_position_embeddings", 2048), qk_norm=kind == "qwen3",
         attention_bias=bool(layer.get("attention_bias")))
     if speculators:
         head.norm_before_residual = bool(cfg.get("norm_before_residual"))

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from coreml_export.convert import package_spec
 from tests.families.tiny import VOCAB, tiny
 
 LAYERS = 8  # EAGLE's default taps: the inputs of layers 2, 4 and 5
@@ -46,6 +47,8 @@ VARIANTS = {
     "speculators": dict(layout="speculators", norm_before_residual=True, norm_output=True,
                         layers=2, embedding=True),
     "speculators-ids": dict(layout="speculators", norm_before_fc=True, ids=[1, 6, 3]),
+    # speculators' qwen3 layers: qk-norm, here with attention biases.
+    "speculators-qwen3": dict(layout="speculators", kind="qwen3", bias=True, fc_norm=True),
 }
 
 
@@ -75,6 +78,13 @@ def head_weights(v: dict, seed: int) -> dict[str, np.ndarray]:
               p + "input_layernorm.weight": norm(H), p + "post_attention_layernorm.weight": norm(H)}
         if i == 0:
             w[p + "hidden_norm.weight"] = norm(H)
+        if v.get("kind") == "qwen3":
+            w |= {p + "self_attn.q_norm.weight": norm(HEAD_DIM),
+                  p + "self_attn.k_norm.weight": norm(HEAD_DIM)}
+        if v.get("bias"):
+            w |= {p + f"self_attn.{n}_proj.bias": normal(w[p + f"self_attn.{n}_proj.weight"]
+                                                         .shape[0], scale=0.3)
+                  for n in "qkvo"}
     if v.get("fc_norm"):
         w |= {f"fc_norm.{i}.weight": norm(H) for i in range(k)}
     if v.get("norm_before_fc"):
@@ -90,7 +100,8 @@ def head_weights(v: dict, seed: int) -> dict[str, np.ndarray]:
 
 
 def layer_config(v: dict) -> dict:
-    return dict(model_type="llama", hidden_size=H, intermediate_size=FFN,
+    return dict(model_type=v.get("kind", "llama"), attention_bias=v.get("bias", False),
+                hidden_size=H, intermediate_size=FFN,
                 num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HEAD_DIM,
                 num_hidden_layers=v.get("layers", 1), rms_norm_eps=EPS, rope_theta=THETA,
                 vocab_size=VOCAB, hidden_act="silu", max_position_embeddings=2048)
@@ -143,18 +154,26 @@ def rotate(x, positions):
     return (x * angles.cos() + turned * angles.sin()).float()
 
 
+def linear(w, name, x):
+    y = x @ w[name + ".weight"].T
+    return y + w[name + ".bias"] if name + ".bias" in w else y
+
+
 def attention(w, p, x, positions):
-    """Causal grouped-query attention over the whole sequence x (T, width)."""
+    """Causal grouped-query attention over the whole sequence x (T, width); qwen3's qk-norm
+    norms each head's query and key before the rotation."""
     T = x.shape[0]
-    q = (x @ w[p + "self_attn.q_proj.weight"].T).view(T, HEADS, HEAD_DIM).transpose(0, 1)
-    k = (x @ w[p + "self_attn.k_proj.weight"].T).view(T, KV, HEAD_DIM).transpose(0, 1)
-    v = (x @ w[p + "self_attn.v_proj.weight"].T).view(T, KV, HEAD_DIM).transpose(0, 1)
-    q, k = rotate(q, positions), rotate(k, positions)
+    q = linear(w, p + "self_attn.q_proj", x).view(T, HEADS, HEAD_DIM)
+    k = linear(w, p + "self_attn.k_proj", x).view(T, KV, HEAD_DIM)
+    v = linear(w, p + "self_attn.v_proj", x).view(T, KV, HEAD_DIM).transpose(0, 1)
+    if p + "self_attn.q_norm.weight" in w:
+        q, k = rms(q, w[p + "self_attn.q_norm.weight"]), rms(k, w[p + "self_attn.k_norm.weight"])
+    q, k = rotate(q.transpose(0, 1), positions), rotate(k.transpose(0, 1), positions)
     k, v = k.repeat_interleave(HEADS // KV, 0), v.repeat_interleave(HEADS // KV, 0)
     scores = q @ k.transpose(1, 2) / HEAD_DIM**0.5
     scores = scores.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
     out = (scores.softmax(-1) @ v).transpose(0, 1).reshape(T, HEADS * HEAD_DIM)
-    return out @ w[p + "self_attn.o_proj.weight"].T
+    return linear(w, p + "self_attn.o_proj", out)
 
 
 def mlp(w, p, x):
@@ -220,7 +239,7 @@ def target_states(model, tokens, taps_by_input) -> np.ndarray:
 
 # The states each variant's fc reads, in its order: as inputs of the target's layers.
 READS = {"eagle": [2, 4, 5], "eagle-bin": [2, 4, 5], "specforge-ids": [5, 1, 3],
-         "speculators": [2, 4, 5], "speculators-ids": [1, 6, 3]}
+         "speculators": [2, 4, 5], "speculators-ids": [1, 6, 3], "speculators-qwen3": [2, 4, 5]}
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -232,7 +251,6 @@ def test_drafts_equal_the_reference(name, small, tmp_path):
     w = write_head(tmp_path / name, v)
     net = load_draft(str(tmp_path / name), small)
     assert net.reads_features and net.config.feature_layers == sorted(READS[name])
-    assert net.unlike_llama  # Core ML export refuses it by name (coreml_export/convert.py)
     n, T = 3, len(PROMPT)
     drafter = MLXDrafter(net, top_k=4)
     try:
@@ -283,3 +301,10 @@ def test_weights_that_do_not_match_the_config_are_refused(small, tmp_path):
     write_head(tmp_path / "head", VARIANTS["eagle"], num_hidden_layers=2)
     with pytest.raises(ModelLoadError, match="missing"):
         load_draft(str(tmp_path / "head"), small)
+
+
+def test_core_ml_export_refuses_a_head(small, tmp_path):
+    write_head(tmp_path / "head", VARIANTS["eagle"])
+    with pytest.raises(IncompatibleDraft, match="EAGLE-3's first layer"):
+        package_spec(load_draft(str(tmp_path / "head"), small), context=256,
+                     max_branch_tokens=8)
