@@ -23,7 +23,7 @@ from coreml_export.convert import package_spec
 from tests.families.tiny import VOCAB, tiny
 
 LAYERS = 8  # EAGLE's default taps: the inputs of layers 2, 4 and 5
-H, HEADS, KV, HEAD_DIM, FFN, DRAFT_VOCAB = 64, 4, 2, 16, 128, 512
+WIDTH, HEADS, KV, HEAD_DIM, FFN, DRAFT_VOCAB = 64, 4, 2, 16, 128, 512
 EPS, THETA = 1e-5, 10000.0
 PROMPT = [1, 504, 3125, 30, 7382, 281, 260, 3429, 28, 665, 1670, 314, 253, 5728, 30, 1115]
 
@@ -63,7 +63,7 @@ def head_weights(v: dict, seed: int) -> dict[str, np.ndarray]:
     def norm(n):
         return (1 + 0.3 * rng.standard_normal(n)).astype(np.float32)
 
-    k = 3
+    k, H = 3, v.get("width", WIDTH)
     w = {"fc.weight": normal(H, k * H, scale=2), "norm.weight": norm(H),
          "lm_head.weight": normal(DRAFT_VOCAB, H, scale=8)}
     for i in range(v.get("layers", 1)):
@@ -101,7 +101,7 @@ def head_weights(v: dict, seed: int) -> dict[str, np.ndarray]:
 
 def layer_config(v: dict) -> dict:
     return dict(model_type=v.get("kind", "llama"), attention_bias=v.get("bias", False),
-                hidden_size=H, intermediate_size=FFN,
+                hidden_size=v.get("width", WIDTH), intermediate_size=FFN,
                 num_attention_heads=HEADS, num_key_value_heads=KV, head_dim=HEAD_DIM,
                 num_hidden_layers=v.get("layers", 1), rms_norm_eps=EPS, rope_theta=THETA,
                 vocab_size=VOCAB, hidden_act="silu", max_position_embeddings=2048)
@@ -200,7 +200,7 @@ def head_forward(w, v, embeds, hidden, positions):
 def reference_drafts(w, v, embedding, tokens, states, n):
     """EAGLE's drafting loop, greedy: pair j is (the target's fused states after token j,
     token j + 1) at position j; each drafted token is paired with the head's own output for
-    the token before it. `states` (T - 1, 3 * H): the target's states in the order fc reads
+    the token before it. `states` (T - 1, 3 * WIDTH): the target's states in the order fc reads
     them. Returns each drafted position's distribution over the target's tokens."""
     w = {k: torch.from_numpy(np.asarray(a)) for k, a in w.items()}
     table = w.get("embed_tokens.weight", torch.from_numpy(embedding))
@@ -283,6 +283,18 @@ def test_sd_and_mirror_sd_with_a_head_are_lossless(name, small, tmp_path):
             result = engine.generate(PROMPT, max_tokens=12)
         assert result.token_ids == reference, mode
         assert result.stats.draft_tokens > 0
+
+
+def test_a_head_for_the_default_target_is_lossless(target, tmp_path):
+    """The real default target (30 layers): the head fuses its states after layers 2, 15 and
+    27, the last above Mirror-SD's default exit (25), so the branches read the head's own."""
+    write_head(tmp_path / "head", dict(layout="eagle", width=target.model.args.hidden_size))
+    assert load_draft(str(tmp_path / "head"), target).config.feature_layers == [2, 15, 27]
+    prompt = target.tokenizer.encode("The capital of France is")
+    reference = Engine(target).generate(prompt, max_tokens=12).token_ids
+    for mode in (dict(mode="sd", gamma=3), dict(mode="mirror", gamma=3, kappa=4)):
+        with Engine(target, draft=str(tmp_path / "head"), lookup=False, **mode) as engine:
+            assert engine.generate(prompt, max_tokens=12).token_ids == reference, mode
 
 
 @pytest.mark.parametrize("override, says", [
