@@ -203,10 +203,6 @@ class Eagle3Net(DraftNet):
         self._unlike = ("EAGLE-3's first layer (attention over the embedding and the feature, "
                         "2 x hidden wide)",)
 
-    @property
-    def reads_features(self) -> bool:
-        return True
-
     def fused(self, target_features: list[mx.array]) -> mx.array:
         x = mx.concatenate(target_features, axis=-1)
         if "input_norm" in self:
@@ -281,9 +277,10 @@ def _our_names(weights: dict[str, mx.array], head: HeadConfig) -> dict[str, mx.a
     renamed = {"lm_head.weight": "head.weight"}
     if head.feed_normed:
         renamed["norm.weight"] = "out_norm.weight"
+    unread = ("d2t", "t2d") if head.norm_before_head else ("d2t", "t2d", "norm.weight")
     out = {}
     for k, v in weights.items():
-        if k.startswith(IGNORED) or k in ("d2t", "t2d"):
+        if k.startswith(IGNORED) or k in unread:
             continue
         k = "layers.0." + k.removeprefix("midlayer.") if k.startswith("midlayer.") else k
         out[renamed.get(k, k)] = v
