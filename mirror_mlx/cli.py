@@ -26,10 +26,11 @@ def _decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="ar", choices=("ar", "sd", "mirror"),
                    help="ar: target only; sd: vanilla speculative; mirror: Mirror-SD")
     p.add_argument("--draft", default=None,
-                   help="draft: a distilled draft folder, a model spec (llama, mistral, qwen2, "
-                        "qwen3, phi3, gemma2, gemma3 text), 'self:N' (the target's first N "
-                        "layers), 'default' or 'default-tokens' (the shipped draft that reads "
-                        "tokens only)")
+                   help="draft: a distilled draft folder, a published EAGLE-3 head's folder "
+                        "(EAGLE/SpecForge or speculators layout), a model spec (llama, "
+                        "mistral, qwen2, qwen3, phi3, gemma2, gemma3 text), 'self:N' (the "
+                        "target's first N layers), 'default' or 'default-tokens' (the shipped "
+                        "draft that reads tokens only)")
     p.add_argument("--gamma", type=_auto_or_int, default=None, metavar="auto|N",
                    help="drafted tokens per step: auto (default) drafts while the draft's "
                         "confidence says a token is worth its measured cost; N fixes it")

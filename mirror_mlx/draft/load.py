@@ -6,6 +6,8 @@
   decoding and a Core ML package can run), else "self:2";
 - "self:N": the target's first N layers with its final norm and LM head (shared weights);
 - a folder written by `mirror-mlx distill` (config.json with format "mirror-mlx-draft");
+- a published EAGLE-3 head for the target (SafeAILab EAGLE / SpecForge or vLLM speculators
+  layout: eagle3.py);
 - anything `models.load` reads (GGUF, mlx-lm folder, hub id): a model of a family
   models/split.py knows, whose tokenizer must equal the target's.
 """
@@ -18,6 +20,7 @@ from pathlib import Path
 from ..errors import IncompatibleDraft, InvalidParameter, ModelLoadError
 from ..models.load import LoadedModel, load, resolve_dtype
 from ..models.split import ExitHead, check_splittable
+from .eagle3 import is_eagle3_folder, load_eagle3
 from .net import DraftNet
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
@@ -54,6 +57,8 @@ def load_draft(spec: str | None, target: LoadedModel) -> DraftNet:
         return DraftNet.from_model(target.model, n, target_info(target))
     if Path(spec).is_dir() and DraftNet.is_draft_folder(Path(spec)):
         return load_folder(Path(spec), target)
+    if Path(spec).is_dir() and is_eagle3_folder(Path(spec)):
+        return load_eagle3(Path(spec), target, target_info(target))
     model = load(spec)
     check_same_vocabulary(model, target)
     try:
