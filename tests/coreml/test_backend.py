@@ -4,6 +4,7 @@ the reference holds callers to Core ML's input rules, and the backend is chosen 
 
 import dataclasses
 import importlib.util
+import time
 import warnings
 from collections import Counter
 from pathlib import Path
@@ -92,6 +93,75 @@ def test_feature_draft_through_coreml_backend_equals_greedy(target, reference_to
             accepted[name] += chunks[-1].stats.accepted_tokens
         drafter.close()
     assert accepted["mlx"] > 0 and accepted["coreml"] >= 0.8 * accepted["mlx"], accepted
+
+
+def test_inline_draft_runs_with_the_whole_target_forward_dispatched(target, reference_tokens,
+                                                                    self4):
+    """An inline drafter computes on the decoder's thread, so everything the target has to do
+    for the step must be dispatched before it runs, or the GPU idles while the Neural Engine
+    drafts. A layer's cache takes the window when the layer's graph is built: whenever a job
+    runs beside the target, the last layer's cache must already hold what the first's does."""
+    drafter = reference_drafter(self4)
+    settings = DecodeSettings("mirror", 4, MirrorConfig(kappa=8, exit_layer=25, budget=4))
+    session = Session(target, None, drafter, settings)
+    seen = []
+    run_pending = drafter.run_pending
+
+    def observed() -> None:
+        if drafter._pending:
+            seen.append((session.cache[0].offset, session.cache[-1].offset))
+        run_pending()
+
+    drafter.run_pending = observed
+    ids, expected = reference_tokens[0]
+    out = [t for chunk in session.generate(ids, max_tokens=10) for t in chunk.token_ids]
+    assert out == expected[:10]
+    beside = [(first, last) for first, last in seen if first > len(ids)]
+    assert beside and all(first == last for first, last in beside), seen
+    drafter.close()
+
+
+def test_an_inline_job_stops_when_the_landed_target_shows_it_useless(target, reference_tokens,
+                                                                    self4, monkeypatch):
+    """A slow inline draft (a second a forward here) must not hold the step once the target's
+    verification has landed and rejected the window the early rollout continues; what it
+    drafted stays in its cache. The output stays the target's. The overlap reported is the
+    time the draft computed while the target did, not while the caller waited on it."""
+    from mirror_mlx.decode import mirror
+
+    verdicts = []
+    result = mirror.Verdict.result
+    monkeypatch.setattr(mirror.Verdict, "result", lambda self: verdicts.append(
+        (result(self), len(self._judge.args[1]))) or verdicts[-1][0])
+    drafter = reference_drafter(self4)
+    early, run = [], drafter._run
+    forward = drafter._executor.forward
+
+    def slow_forward(*args, **kwargs):
+        if early and early[-1] is None:
+            time.sleep(1.0)
+        return forward(*args, **kwargs)
+
+    def observed(job):
+        early.append(None if job.label == "early" else "other")
+        done = run(job)
+        if job.label == "early":
+            early[-1] = (len(job.sequences[0]), done.forwards)
+        return done
+
+    drafter._executor.forward = slow_forward
+    drafter._run = observed
+    settings = DecodeSettings("mirror", 4, MirrorConfig(kappa=8, exit_layer=25, budget=0))
+    session = Session(target, None, drafter, settings)
+    ids, expected = reference_tokens[0]
+    chunks = list(session.generate(ids, max_tokens=8))
+    assert [t for chunk in chunks for t in chunk.token_ids] == expected[:8]
+    assert chunks[-1].stats.overlap_fraction < 0.5, chunks[-1].stats.time_s
+    jobs = [e for e in early if e not in (None, "other")]
+    rejected = [forwards for (_, forwards), ((accepted, _), g) in zip(jobs, verdicts)
+                if accepted < g]
+    assert rejected and all(forwards <= 1 for forwards in rejected), (jobs, verdicts)
+    drafter.close()
 
 
 def test_vanilla_sd_waits_on_futures_without_run_pending(target, reference_tokens, self4):

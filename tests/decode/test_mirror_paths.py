@@ -83,3 +83,33 @@ def test_draft_work_overlaps_the_target(target):
     busy = sum(e - s for s, e in spans["draft_branches"] + spans["draft_early"])
     assert hidden / busy > 0.5, f"only {hidden / busy:.0%} of the draft work was hidden"
     assert stats.overlap_fraction > 0.3
+
+
+def test_each_job_stops_on_its_own(target, reference):
+    """Verification that hits a branch makes the early rollout useless: it is stopped, so it
+    no longer holds the draft's worker ahead of the branch job that is of use; the branch job
+    is stopped only where no branch was hit."""
+    with Engine(target, mode="mirror", draft="self:27", gamma=5, kappa=8, branch_budget=4,
+                lookup=False) as engine:
+        jobs = []
+        submit = engine.drafter.submit
+
+        def recorded(job):
+            jobs.append((job.label, job.cancel))
+            return submit(job)
+
+        engine.drafter.submit = recorded
+        engine.session.timeline = []
+        prompt, expected = next(iter(reference.items()))
+        assert engine.generate(prompt, max_tokens=32).token_ids == expected
+        outcomes = [label.removeprefix("outcome:") for label, _, _ in engine.session.timeline
+                    if label.startswith("outcome:")]
+    steps = [(jobs[i][1], jobs[i + 1][1]) for i in range(len(jobs) - 1)
+             if jobs[i][0] == "early" and jobs[i + 1][0] == "branches"]
+    assert len(steps) == len(outcomes)
+    hits = [(early, late) for (early, late), outcome in zip(steps, outcomes)
+            if outcome.startswith("branch:") and int(outcome.split(":")[1]) < 5]
+    assert hits, outcomes
+    assert all(early.is_set() and not late.is_set() for early, late in hits)
+    assert all(late.is_set() for (_, late), outcome in zip(steps, outcomes)
+               if outcome == "fallback")
