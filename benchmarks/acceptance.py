@@ -29,10 +29,10 @@ from pathlib import Path
 
 import mirror_mlx  # noqa: F401  (before mlx: OpenBLAS)
 from mirror_mlx.api import Engine
+from mirror_mlx.bench.harness import conversation
+from mirror_mlx.bench.prompts import load_prompts
 from mirror_mlx.draft.load import load_draft, load_exit_head
 from mirror_mlx.draft.lookup import lookup
-from mirror_mlx.measure.bench import conversation
-from mirror_mlx.measure.prompts import load_prompts
 from mirror_mlx.models import split
 from mirror_mlx.models.load import load
 from mirror_mlx.train import feature

@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 
 import mirror_mlx  # noqa: F401  (before mlx: OpenBLAS)
+from mirror_mlx.bench.contention import median_ms
 from mirror_mlx.draft.load import load_draft, load_exit_head
-from mirror_mlx.measure.contention import median_ms
 from mirror_mlx.models import split
 from mirror_mlx.models.load import load
 

@@ -16,12 +16,12 @@ from .decode.length import LONGEST
 from .decode.mirror import MirrorConfig
 from .decode.sampling import SamplingParams
 from .decode.schedule import AUTO_BUDGET
+from .decode.stats import GenerationStats
 from .draft.base import Drafter
 from .draft.load import load_exit_head
 from .draft.lookup import LookupDrafter
 from .draft.select import make_drafter
 from .errors import EngineBusy, EngineClosed, InvalidParameter
-from .measure.stats import GenerationStats
 from .models import split
 from .models.load import LoadedModel, load
 from .session import Chunk, DecodeSettings, Session

@@ -10,8 +10,8 @@ from collections.abc import Callable
 
 from .api import Engine, Message
 from .decode.sampling import SamplingParams
+from .decode.stats import GenerationStats
 from .errors import InvalidParameter, MirrorError
-from .measure.stats import GenerationStats
 
 HELP = """Commands:
   /reset   forget the conversation (and its cache)

@@ -320,8 +320,8 @@ def cmd_bench(args) -> None:
     import shlex
     from pathlib import Path
 
-    from .measure.bench import BenchConfig
-    from .measure.command import bench_command
+    from .bench.command import bench_command
+    from .bench.harness import BenchConfig
 
     config = BenchConfig(modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
                          max_tokens=args.max_tokens, temperature=args.temp,

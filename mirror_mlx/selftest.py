@@ -33,7 +33,8 @@ from .draft.coreml_package import FORMAT, draft_weights, weights_sha256
 from .draft.load import load_draft
 from .draft.mlx_draft import MLXExecutor
 from .draft.rollout import OWN, TARGET, ZERO, FeatureRefs
-from .measure.energy import measure, open_meter
+from .energy.meter import measure
+from .energy.select import open_meter
 from .models.load import load
 from .platform import cache_dir, coreml_status, machine_info
 from .train.feature import target_features

@@ -16,9 +16,9 @@ from .decode.mirror import MirrorConfig, mirror
 from .decode.sampling import Sampler, SamplingParams
 from .decode.schedule import scheduler_for
 from .decode.speculative import speculative
+from .decode.stats import GenerationStats
 from .draft.base import Drafter, Features, Job
 from .errors import InvalidParameter, PromptTooLong
-from .measure.stats import GenerationStats
 from .models import split
 from .models.load import LoadedModel
 from .text import TextStream

@@ -17,8 +17,8 @@ from tkinter import ttk
 from mirror_mlx.api import Engine, Message, model_name
 from mirror_mlx.chat import fit_to_context
 from mirror_mlx.decode.sampling import SamplingParams
+from mirror_mlx.decode.stats import GenerationStats
 from mirror_mlx.errors import MirrorError
-from mirror_mlx.measure.stats import GenerationStats
 from mirror_mlx.models.load import LoadedModel
 
 MODES = {"ar": "AR", "sd": "SD", "mirror": "Mirror-SD"}

@@ -20,8 +20,8 @@ from itertools import chain
 from urllib.parse import urlsplit
 
 from mirror_mlx.api import Engine, EngineClosed, model_name
+from mirror_mlx.decode.stats import GenerationStats
 from mirror_mlx.errors import InvalidParameter, MirrorError, PromptTooLong
-from mirror_mlx.measure.stats import GenerationStats
 
 from .request import Request, RequestError, parse
 from .response import Reply, model_card

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 
-from mirror_mlx.measure.stats import GenerationStats
+from mirror_mlx.decode.stats import GenerationStats
 
 from .request import Request
 

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..measure.stats import GenerationStats
 from .sampling import Sampler
+from .stats import GenerationStats
 
 
 def autoregressive(

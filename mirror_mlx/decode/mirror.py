@@ -36,12 +36,12 @@ import mlx.nn as nn
 import numpy as np
 
 from ..draft.base import Drafter, Features, Job, Rollout
-from ..measure.stats import GenerationStats
 from ..models import split
 from .branches import rank_branches
 from .length import DraftLength
 from .sampling import Sampler
 from .schedule import Scheduler, draft_units, scheduler_for
+from .stats import GenerationStats
 from .verify import judge, speculative_accept
 
 

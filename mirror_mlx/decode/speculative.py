@@ -10,10 +10,10 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..draft.base import Drafter, Features, Job
-from ..measure.stats import GenerationStats
 from ..models import split
 from .length import DraftLength
 from .sampling import Sampler
+from .stats import GenerationStats
 from .verify import judge, speculative_accept
 
 

@@ -17,10 +17,10 @@ from mirror_mlx.decode.mirror import MirrorConfig, mirror
 from mirror_mlx.decode.sampling import Sampler, SamplingParams, distribution
 from mirror_mlx.decode.schedule import Scheduler
 from mirror_mlx.decode.speculative import speculative
+from mirror_mlx.decode.stats import GenerationStats
 from mirror_mlx.draft.lookup import LookupDrafter
 from mirror_mlx.draft.mlx_draft import MLXDrafter
 from mirror_mlx.draft.net import DraftConfig, DraftNet
-from mirror_mlx.measure.stats import GenerationStats
 
 import mlx.core as mx
 import numpy as np

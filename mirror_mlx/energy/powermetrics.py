@@ -18,7 +18,7 @@ import shutil
 import subprocess
 import threading
 
-from .energy import MeterUnavailable
+from .meter import MeterUnavailable
 
 INTERVAL_MS = 500
 COMMAND = ["sudo", "-n", "powermetrics", "-f", "plist", "-i", str(INTERVAL_MS),

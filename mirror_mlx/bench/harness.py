@@ -28,18 +28,19 @@ import mlx.core as mx
 from ..api import Engine
 from ..decode.sampling import SamplingParams
 from ..decode.schedule import device_name
+from ..decode.stats import GenerationStats
 from ..draft.load import load_draft
 from ..draft.net import DraftNet
 from ..draft.select import mlx_device
+from ..energy.meter import EnergyReading, measure
+from ..energy.select import MeterChoice
 from ..errors import InvalidParameter
 from ..models.load import LoadedModel
 from ..platform import set_blas_threads
 from ..progress import Progress
 from .contention import measure_contention
-from .energy import EnergyReading, MeterChoice, measure
 from .mlx_lm_modes import MLXLMDraft, mlx_lm_steps, tokenizer_wrapper
 from .prompts import BenchPrompt
-from .stats import GenerationStats
 
 MODES = ("ar", "sd", "mirror", "mlx-lm", "mlx-lm-sd")
 TIMELINE_MODE = "mirror"

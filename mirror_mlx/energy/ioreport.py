@@ -13,7 +13,7 @@ from __future__ import annotations
 import ctypes
 import re
 
-from .energy import MeterUnavailable
+from .meter import MeterUnavailable
 
 _CF_PATH = "/System/Library/Frameworks/CoreFoundation.framework/CoreFoundation"
 _IOREPORT_PATH = "/usr/lib/libIOReport.dylib"

@@ -6,10 +6,10 @@ import importlib.util
 import sys
 from pathlib import Path
 
+from ..energy.select import open_meter
 from ..errors import MirrorError, MissingExtra
 from ..models.load import load
-from .bench import BenchConfig, run_bench
-from .energy import open_meter
+from .harness import BenchConfig, run_bench
 from .prompts import load_prompts
 from .report import markdown, summarize, to_json, write_json
 

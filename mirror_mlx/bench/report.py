@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..models.load import LoadedModel
 from ..platform import machine_info
-from .bench import BenchResult, Run
+from .harness import BenchResult, Run
 
 # Per-generation metrics, summarized as median and min-max.
 METRICS = ("ttft_s", "decode_tokens_per_second", "latency_s", "tokens_per_step", "reuse_rate",

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .energy import MeterUnavailable
+from .meter import MeterUnavailable
 
 _ZONE = re.compile(r"^intel-rapl:\d+(:\d+)?$")
 

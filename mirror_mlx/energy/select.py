@@ -1,43 +1,16 @@
-"""Energy meters behind one interface, and the one place that picks a meter for this machine.
-
-A meter reads cumulative joules per rail ("cpu", "gpu", "ane", "dram") since it was opened; a
-window's energy is the difference of two reads. Backends:
-
-- macOS: IOReport (no sudo; CPU, GPU, ANE, DRAM), else powermetrics (needs passwordless sudo);
-- elsewhere: Linux RAPL (/sys/class/powercap), where its counters are readable;
-- otherwise none, with the reason said plainly.
-
-All of them are model-based estimates or coarse counters: measure long windows (IOReport's
-millijoule channels may publish only every ~2 s), subtract an idle baseline measured the same way,
-and report joules per token.
-"""
+"""Picks the energy meter for this machine, or says why there is none."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 from ..errors import InvalidParameter
 from ..platform import is_macos
+from .meter import Meter, MeterUnavailable
 
 BACKENDS = ("auto", "ioreport", "powermetrics", "rapl", "none")
-
-
-class Meter(Protocol):
-    backend: str
-
-    def read(self) -> dict[str, float]:
-        """Cumulative joules per rail since the meter was opened."""
-
-    def close(self) -> None:
-        """Release the counters (idempotent)."""
-
-
-class MeterUnavailable(Exception):
-    """This backend cannot measure here; the message says why, for the user."""
 
 
 @dataclass
@@ -53,29 +26,6 @@ class MeterChoice:
     def close(self) -> None:
         if self.meter is not None:
             self.meter.close()
-
-
-@dataclass
-class EnergyReading:
-    seconds: float
-    joules: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def total_j(self) -> float:
-        return sum(self.joules.values())
-
-    @property
-    def watts(self) -> float:
-        return self.total_j / self.seconds if self.seconds > 0 else 0.0
-
-
-def measure(meter: Meter, work: Callable[[], object]) -> tuple[EnergyReading, object]:
-    """Energy and time spent while `work()` runs; returns the reading and what work returned."""
-    before, t0 = meter.read(), time.perf_counter()
-    out = work()
-    after, t1 = meter.read(), time.perf_counter()
-    joules = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    return EnergyReading(t1 - t0, joules), out
 
 
 def _openers(rapl_root: Path) -> dict[str, Callable[[], Meter]]:

@@ -2,8 +2,8 @@
 
 import json
 
+from mirror_mlx.bench.prompts import BenchPrompt, builtin_prompts, load_prompts
 from mirror_mlx.errors import MirrorError
-from mirror_mlx.measure.prompts import BenchPrompt, builtin_prompts, load_prompts
 
 import pytest
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .bench import Run
+from .harness import Run
 from .report import LABELS
 
 _COLORS = {"ar": "#7f7f7f", "sd": "#1f77b4", "mirror": "#d62728", "mlx-lm": "#2ca02c",

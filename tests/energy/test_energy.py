@@ -7,11 +7,12 @@ import plistlib
 import time
 from pathlib import Path
 
+from mirror_mlx.energy.ioreport import rail_of
+from mirror_mlx.energy.meter import MeterUnavailable, measure
+from mirror_mlx.energy.powermetrics import sample_joules, split_samples
+from mirror_mlx.energy.rapl import RaplMeter
+from mirror_mlx.energy.select import open_meter
 from mirror_mlx.errors import InvalidParameter
-from mirror_mlx.measure.energy import MeterUnavailable, measure, open_meter
-from mirror_mlx.measure.ioreport import rail_of
-from mirror_mlx.measure.powermetrics import sample_joules, split_samples
-from mirror_mlx.measure.rapl import RaplMeter
 from mirror_mlx.platform import is_macos
 
 import pytest
@@ -152,7 +153,7 @@ def test_powermetrics_stream_parsing():
 @pytest.mark.macos
 @pytest.mark.skipif(not is_macos(), reason=NOT_MACOS)
 def test_ioreport_measures_cpu_work_on_macos():
-    from mirror_mlx.measure.ioreport import IOReportMeter
+    from mirror_mlx.energy.ioreport import IOReportMeter
 
     meter = IOReportMeter()
     try:
@@ -198,7 +199,7 @@ def sudo_rule(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(is_macos(), reason="a Mac has the real powermetrics (the next test)")
 def test_powermetrics_with_a_sudo_rule_for_it_alone(sudo_rule):
-    from mirror_mlx.measure.powermetrics import PowermetricsMeter
+    from mirror_mlx.energy.powermetrics import PowermetricsMeter
 
     meter = PowermetricsMeter()
     try:
@@ -215,7 +216,7 @@ def test_powermetrics_with_a_sudo_rule_for_it_alone(sudo_rule):
 @pytest.mark.macos
 @pytest.mark.skipif(not is_macos(), reason=NOT_MACOS)
 def test_powermetrics_meter_on_macos():
-    from mirror_mlx.measure.powermetrics import PowermetricsMeter
+    from mirror_mlx.energy.powermetrics import PowermetricsMeter
 
     try:
         meter = PowermetricsMeter()

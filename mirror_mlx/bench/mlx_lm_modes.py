@@ -22,10 +22,10 @@ from mlx_lm.tokenizer_utils import (
     TokenizerWrapper,
 )
 
+from ..decode.stats import GenerationStats
 from ..draft.net import DraftNet
 from ..models.load import LoadedModel
 from ..session import PREFILL_CHUNK
-from .stats import GenerationStats
 
 
 class MLXLMDraft:

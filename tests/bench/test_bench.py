@@ -6,15 +6,15 @@ import subprocess
 import sys
 
 import mirror_mlx  # noqa: F401  (first: OpenBLAS before MLX)
+from mirror_mlx.bench.harness import BenchConfig, Run, run_bench
+from mirror_mlx.bench.mlx_lm_modes import MLXLMDraft
+from mirror_mlx.bench.prompts import BenchPrompt
+from mirror_mlx.bench.report import energy_summary, run_metrics, spread
 from mirror_mlx.cli import main
+from mirror_mlx.decode.stats import GenerationStats
 from mirror_mlx.draft.net import DraftConfig, DraftNet
-from mirror_mlx.measure.bench import BenchConfig, Run, run_bench
-from mirror_mlx.measure.energy import MeterChoice
-from mirror_mlx.measure.mlx_lm_modes import MLXLMDraft
-from mirror_mlx.measure.prompts import BenchPrompt
-from mirror_mlx.measure.rapl import RaplMeter
-from mirror_mlx.measure.report import energy_summary, run_metrics, spread
-from mirror_mlx.measure.stats import GenerationStats
+from mirror_mlx.energy.rapl import RaplMeter
+from mirror_mlx.energy.select import MeterChoice
 
 import mlx.core as mx
 import numpy as np
