@@ -12,6 +12,15 @@ from the context (prompt lookup) cost no drafting and take the longest window.
 The costs are measured as decoding goes (moving averages), so the rule follows the hardware:
 a draft on its own unit (c_d hidden) drafts long windows, one that shares the target's cores
 short ones.
+
+That rule still pays one draft forward per step to learn that a window is empty, and where the
+draft is rarely right (a hot temperature, text unlike what it learnt) every step pays it. So
+whether to draft at all is decided per sampling temperature from what drafting steps have
+actually earned there: the tokens each committed times t_1 over what it cost (1 is what
+target-only decoding earns). Below that, steps stop drafting (they cost what an AR step costs,
+and only copies from the context, which are free, are still tried) for a pause that doubles
+each time a probe of a few drafting steps finds it still does not pay; where it pays again
+drafting stays on.
 """
 
 from __future__ import annotations
@@ -21,6 +30,20 @@ from dataclasses import dataclass, field
 LONGEST = 10  # the longest window: verification stops being nearly free beyond it on a CPU
 FIRST_THRESHOLD = 0.1  # before anything is measured: a draft at ~5% of a step, c_v about as much
 EMA = 0.1
+PROBE = 8  # drafting steps measured before drafting may be switched off, and after each pause
+FIRST_PAUSE = 16  # steps without drafting after the first switch-off; doubled after each probe
+MAX_PAUSE = 512
+PAYS = 1.0  # earnings (target-only decoding = 1) below which drafting is switched off
+
+
+@dataclass
+class Gate:
+    """Whether drafting pays at one sampling temperature (see the module's docstring)."""
+
+    earns: float | None = None  # running (committed tokens * t_1 / step seconds)
+    measured: int = 0  # drafting steps measured since drafting was last switched on
+    pause: int = FIRST_PAUSE
+    off_for: int = 0  # steps left without drafting
 
 
 @dataclass
@@ -29,6 +52,35 @@ class DraftLength:
     draft_s: float = 0.0  # seconds per draft forward (a job's work over its forwards)
     target_s: dict[int, float] = field(default_factory=dict)  # step seconds by window drafts
     chosen: dict[int, int] = field(default_factory=dict)  # windows verified, by length
+    gates: dict[float, Gate] = field(default_factory=dict)  # by sampling temperature
+
+    def drafting(self, temperature: float) -> bool:
+        """Whether this step drafts (False: only free copies from the context)."""
+        gate = self.gates.setdefault(round(temperature, 2), Gate())
+        if gate.off_for:
+            gate.off_for -= 1
+            if not gate.off_for:
+                gate.measured, gate.earns = 0, None  # a probe: measure drafting afresh
+            return False
+        return True
+
+    def record_step(self, temperature: float, committed: int, seconds: float) -> None:
+        """A drafting step committed `committed` tokens in `seconds` (drafting included)."""
+        if not self.target_s or seconds <= 0:
+            return
+        gate = self.gates.setdefault(round(temperature, 2), Gate())
+        earned = committed * self._fit()[0] / seconds
+        gate.measured += 1
+        # A probe's mean, then a running average.
+        weight = max(EMA, 1 / gate.measured)
+        gate.earns = earned if gate.earns is None else (1 - weight) * gate.earns + weight * earned
+        if gate.measured < PROBE:
+            return
+        if gate.earns < PAYS:
+            gate.off_for, gate.measured = gate.pause, 0
+            gate.pause = min(2 * gate.pause, MAX_PAUSE)
+        elif gate.measured == PROBE:
+            gate.pause = FIRST_PAUSE  # it pays again: the next switch-off starts short
 
     def threshold(self) -> float:
         """The least confidence a_k at which drafting token k still pays."""

@@ -170,13 +170,16 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             timeline.append((label, start, end))
 
     while True:
+        top = time.perf_counter()
         longest = length.longest if length else config.gamma
-        g = max(0, min(longest, limit - len(committed)))
+        g = asked = max(0, min(longest, limit - len(committed)))
         confidence = length.threshold() if length else 0.0
+        drafting = length is None or length.drafting(sampler.params.temperature)
         if g and (window is None or (len(window.tokens) < g and not window.ended)):
             t = time.perf_counter()
             done = drafter.submit(Job([committed], g, q_params, "fresh", features=pending,
-                                      min_confidence=confidence)).result()
+                                      min_confidence=confidence,
+                                      copy_only=not drafting)).result()
             pending = []
             window = done.rollouts[0]
             stats.add_time("draft_serial", time.perf_counter() - t)
@@ -201,14 +204,14 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
 
         # 1. The likeliest outcome needs no early-exit signal: start it now.
         early = None
-        if g and plan.early:
+        if g and plan.early and drafting:
             early = drafter.submit(Job([committed + drafts], longest + 1, q_params, "early", True,
                                        early_stop, pending, confidence))
             pending = []
 
         picks, late = [], None
         t_start = time.perf_counter()
-        split_pass = bool(g and plan.branches)
+        split_pass = bool(g and plan.branches and drafting)
         if split_pass:
             # 2. Target prefix, then the early exit's top-kappa at every window position.
             if vocab is None and config.exit_vocab is not None:
@@ -326,7 +329,9 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
                 stats.fallback_steps += 1
         stats.record_step(g, accepted)
         new = drafts[:accepted] + [token]
-        if charged is not None:
+        if charged is not None and drafting:
             scheduler.record(charged[0], charged[1], len(new))
+        if length and drafting and asked:
+            length.record_step(sampler.params.temperature, len(new), time.perf_counter() - top)
         committed += new
         yield new

@@ -35,9 +35,12 @@ def speculative(model: nn.Module, cache: list, drafter: Drafter, committed: list
         g = max(0, min(longest, limit - len(committed)))
         t0 = time.perf_counter()
         drafts, q = [], None
+        drafting = not adaptive or gamma.drafting(sampler.params.temperature)
+        asked = g
         if g:
             job = Job([committed], g, q_params, features=pending,
-                      min_confidence=gamma.threshold() if adaptive else 0.0)
+                      min_confidence=gamma.threshold() if adaptive else 0.0,
+                      copy_only=not drafting)
             done = drafter.submit(job).result()
             pending = []
             draft = done.rollouts[0]
@@ -61,6 +64,8 @@ def speculative(model: nn.Module, cache: list, drafter: Drafter, committed: list
         if adaptive:
             gamma.record_target(t2 - t1, g)
             stats.draft_lengths[g] = stats.draft_lengths.get(g, 0) + 1
+            if drafting and asked:
+                gamma.record_step(sampler.params.temperature, len(new), t2 - t0)
         stats.record_step(g, accepted)
         committed += new
         yield new

@@ -66,6 +66,9 @@ class Job:
     # Adaptive length: stop drafting a sequence once the draft's chance that all its tokens
     # so far are accepted (the product of its confidences) falls below this.
     min_confidence: float = 0.0
+    # Only a copy from the context (prompt lookup, free) may answer: no draft forward. Other
+    # sequences get empty rollouts that have `ended`.
+    copy_only: bool = False
 
 
 @dataclass

@@ -233,6 +233,10 @@ def _run(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
     reused = 0
     for f in job.features:
         state.learn(f)
+    if job.copy_only:
+        empty = Rollout([], np.zeros((0, top_k), np.int64), np.zeros((0, top_k), np.float32),
+                        None, True)
+        return JobResult([empty] * len(seqs), start, time.perf_counter(), job.label)
     if job.compact:
         reused = _compact(seqs[0][: caps[0]], ex, state)
         # Extend the trunk with what every sequence shares.
