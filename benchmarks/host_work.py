@@ -90,16 +90,17 @@ def decode(drafter, context: int, steps: int, features: bool) -> tuple[float, fl
     """Mirror-SD's job pattern over `steps` steps after a prompt of `context` tokens: the
     milliseconds per early job and per branch job (medians)."""
     rng = np.random.default_rng(1)
-    committed = rng.integers(300, 32000, context).tolist()
+    committed = rng.integers(300, 32000, context).tolist()  # no n-gram repeats: no copies
     pending = [Features(list(committed), 0, rows(context - 1))] if features else []
-    window = drafter.submit(Job([committed], GAMMA, features=pending)).result().rollouts[0]
+    window = drafter.submit(Job([committed], GAMMA, features=pending, committed=committed)
+                            ).result().rollouts[0]
     pending = []
     early_ms, branch_ms = [], []
     for step in range(steps):
         drafts = window.tokens[:GAMMA]
         t = time.perf_counter()
-        early = drafter.submit(Job([committed + drafts], GAMMA + 1, label="early",
-                                   features=pending)).result()
+        drafter.submit(Job([committed + drafts], GAMMA + 1, label="early", features=pending,
+                           committed=committed)).result()
         early_ms.append(time.perf_counter() - t)
         seen = [Features(committed + drafts, len(committed) - 1, rows(GAMMA + 1))] \
             if features else []
@@ -107,7 +108,7 @@ def decode(drafter, context: int, steps: int, features: bool) -> tuple[float, fl
         branches = [committed + drafts[:r] + [v] for r, v in picks]
         t = time.perf_counter()
         late = drafter.submit(Job(branches, GAMMA, label="branches", compact=False,
-                                  features=seen)).result()
+                                  features=seen, committed=committed)).result()
         branch_ms.append(time.perf_counter() - t)
         # Two drafts accepted, then the token of branch (2, v): its rollout is the next window.
         hit = 2
@@ -115,7 +116,7 @@ def decode(drafter, context: int, steps: int, features: bool) -> tuple[float, fl
         new = drafts[:accepted] + [token]
         pending = [Features(committed + new, len(committed) - 1, rows(accepted + 1))] \
             if features else []
-        committed = committed + new
+        committed += new  # in place, as the decoders do (Job.committed)
         window = late.rollouts[hit]
     return 1e3 * float(np.median(early_ms)), 1e3 * float(np.median(branch_ms))
 

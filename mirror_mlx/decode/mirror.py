@@ -100,7 +100,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         if g and (window is None or (len(window.tokens) < g and not window.ended)):
             t = time.perf_counter()
             done = drafter.submit(Job([committed], g, q_params, "fresh", features=pending,
-                                      min_confidence=confidence)).result()
+                                      min_confidence=confidence, committed=committed)).result()
             pending = []
             window = done.rollouts[0]
             stats.add_time("draft_serial", time.perf_counter() - t)
@@ -124,7 +124,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         early = None
         if g and plan.early:
             early = drafter.submit(Job([committed + drafts], longest + 1, q_params, "early", True,
-                                       stop, pending, confidence))
+                                       stop, pending, confidence, committed))
             pending = []
 
         picks, late = [], None
@@ -154,7 +154,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
                 window.top_probs[:g], plan.branches, config.source)
             late = drafter.submit(Job([committed + drafts[: b.r] + [b.token] for b in picks],
                                       longest, q_params, "branches", False, stop,
-                                      pending + seen, confidence))
+                                      pending + seen, confidence, committed))
             pending = []
 
             # 4. Target suffix and verification.

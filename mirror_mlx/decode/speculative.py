@@ -37,7 +37,7 @@ def speculative(model: nn.Module, cache: list, drafter: Drafter, committed: list
         drafts, q = [], None
         if g:
             job = Job([committed], g, q_params, features=pending,
-                      min_confidence=gamma.threshold() if adaptive else 0.0)
+                      min_confidence=gamma.threshold() if adaptive else 0.0, committed=committed)
             done = drafter.submit(job).result()
             pending = []
             draft = done.rollouts[0]
