@@ -68,9 +68,12 @@ class Job:
     # the list ended before, so a job's bookkeeping does not grow with the context. None: the
     # sequences are compared whole (at C speed).
     committed: list[int] | None = None
+    # How many there were when the job was made (the list may grow before the job runs).
+    committed_len: int = field(init=False, default=0)
 
     def __post_init__(self) -> None:
         c = self.committed
+        self.committed_len = 0 if c is None else len(c)
         if c and any(len(s) < len(c) or s[len(c) - 1] != c[-1] for s in self.sequences):
             raise ValueError("a draft job's sequences must begin with its committed tokens")
 

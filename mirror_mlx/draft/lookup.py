@@ -60,11 +60,12 @@ class NgramIndex:
         # at the last committed token may be a sequence's own tail, not an earlier match.
         self.last: dict[int, dict[tuple[int, ...], int]] = {k: {} for k in match}
 
-    def update(self, committed: list[int]) -> None:
-        if committed is not self.committed or len(committed) < self.size:
+    def update(self, committed: list[int], n: int | None = None) -> None:
+        """Index committed[:n] (all of it by default)."""
+        n = len(committed) if n is None else n
+        if committed is not self.committed or n < self.size:
             self.committed, self.size = committed, 0
             self.last = {k: {} for k in self.match}
-        n = len(committed)
         for k, last in self.last.items():
             lo, hi = max(0, self.size - k), max(0, n - k)
             # dict.update keeps the last start of a repeated k-gram: the latest occurrence.
@@ -128,7 +129,7 @@ class LookupDrafter:
             return [None] * len(job.sequences)
         if job.committed is None:
             return [lookup(s, job.n, self.match) for s in job.sequences]
-        self._index.update(job.committed)
+        self._index.update(job.committed, job.committed_len)
         return [self._index.lookup(s, job.n) for s in job.sequences]
 
     def submit(self, job: Job) -> Future[JobResult]:
@@ -145,7 +146,8 @@ class LookupDrafter:
                 if c is None:
                     self._main = (None, 0, list(job.sequences[0]))
                 else:
-                    self._main = (c, len(c), job.sequences[0][len(c):])
+                    n = job.committed_len
+                    self._main = (c, n, job.sequences[0][n:])
         if not ask:
             self._features += job.features
             done: Future[JobResult] = Future()

@@ -129,14 +129,13 @@ class TreeState:
     trunk_ok: int = 0
     line_ok: int = 0
 
-    def begin(self, committed: list[int] | None) -> None:
-        """A job with these committed tokens starts: what is known about agreement with the
-        last job's holds if they are the same list, grown."""
-        if committed is None or committed is not self.committed \
-                or len(committed) < self.committed_len:
+    def begin(self, committed: list[int] | None, size: int) -> None:
+        """A job whose sequences begin with committed[:size] starts: what is known about
+        agreement with the last job's holds if they are the same list, grown."""
+        if committed is None or committed is not self.committed or size < self.committed_len:
             self.trunk_ok = self.line_ok = 0
         self.committed = committed
-        self.committed_len = 0 if committed is None else len(committed)
+        self.committed_len = size
 
     def set_trunk(self, seq: list[int], agree: int, depth: int) -> None:
         """Make the trunk seq[:depth], given that it agrees with seq on its first `agree`."""
@@ -294,7 +293,7 @@ def _run(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
     seqs = job.sequences
     if not seqs or any(not s for s in seqs):
         raise ValueError("a draft job needs non-empty sequences")
-    state.begin(job.committed)
+    state.begin(job.committed, job.committed_len)
     # Each sequence's last token is fed by the rollout, which needs its logits; a prefill
     # (n == 0) stops before it and leaves it to the next job.
     caps = [len(s) - 1 for s in seqs]
