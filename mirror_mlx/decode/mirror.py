@@ -178,7 +178,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         if g and (window is None or (len(window.tokens) < g and not window.ended)):
             t = time.perf_counter()
             done = drafter.submit(Job([committed], g, q_params, "fresh", features=pending,
-                                      min_confidence=confidence,
+                                      min_confidence=confidence, committed=committed,
                                       copy_only=not drafting)).result()
             pending = []
             window = done.rollouts[0]
@@ -206,7 +206,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         early = None
         if g and plan.early and drafting:
             early = drafter.submit(Job([committed + drafts], longest + 1, q_params, "early", True,
-                                       early_stop, pending, confidence))
+                                       early_stop, pending, confidence, committed))
             pending = []
 
         picks, late = [], None
@@ -246,7 +246,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             late_stop = Stop(outcomes.__contains__, early_stop.verdict)
             late = drafter.submit(Job([committed + drafts[: b.r] + [b.token] for b in picks],
                                       longest, q_params, "branches", False, late_stop,
-                                      pending + seen, confidence))
+                                      pending + seen, confidence, committed))
             pending = []
 
             # 4. Target suffix and verification.

@@ -40,7 +40,7 @@ def speculative(model: nn.Module, cache: list, drafter: Drafter, committed: list
         if g:
             job = Job([committed], g, q_params, features=pending,
                       min_confidence=gamma.threshold() if adaptive else 0.0,
-                      copy_only=not drafting)
+                      committed=committed, copy_only=not drafting)
             done = drafter.submit(job).result()
             pending = []
             draft = done.rollouts[0]

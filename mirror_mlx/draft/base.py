@@ -66,9 +66,24 @@ class Job:
     # Adaptive length: stop drafting a sequence once the draft's chance that all its tokens
     # so far are accepted (the product of its confidences) falls below this.
     min_confidence: float = 0.0
+    # The caller's committed tokens: every sequence begins with them, and every feature's line
+    # agrees with them before its `start`. A caller that passes the same list to later jobs
+    # only appends to it in between (a decoder's context within one generation); the drafter
+    # then compares the jobs' sequences with its cache and its n-gram index only from where
+    # the list ended before, so a job's bookkeeping does not grow with the context. None: the
+    # sequences are compared whole (at C speed).
+    committed: list[int] | None = None
+    # How many there were when the job was made (the list may grow before the job runs).
+    committed_len: int = field(init=False, default=0)
     # Only a copy from the context (prompt lookup, free) may answer: no draft forward. Other
     # sequences get empty rollouts that have `ended`.
     copy_only: bool = False
+
+    def __post_init__(self) -> None:
+        c = self.committed
+        self.committed_len = 0 if c is None else len(c)
+        if c and any(len(s) < len(c) or s[len(c) - 1] != c[-1] for s in self.sequences):
+            raise ValueError("a draft job's sequences must begin with its committed tokens")
 
 
 @dataclass

@@ -46,6 +46,51 @@ def lookup(sequence: list[int], n: int, match: tuple[int, ...] = MATCH) -> list[
     return None
 
 
+class NgramIndex:
+    """`lookup` over sequences that begin with a caller's committed tokens (Job.committed),
+    at a cost independent of their length: the latest start of every k-gram of the committed
+    tokens is kept in a dict, updated as they grow (a different list starts it afresh), and
+    only the tokens past them are searched."""
+
+    def __init__(self, match: tuple[int, ...] = MATCH):
+        self.match = match
+        self.committed: list[int] | None = None
+        self.size = 0  # committed tokens indexed
+        # k -> k-gram -> its latest start s, for the starts s + k < size: a k-gram that ends
+        # at the last committed token may be a sequence's own tail, not an earlier match.
+        self.last: dict[int, dict[tuple[int, ...], int]] = {k: {} for k in match}
+
+    def update(self, committed: list[int], n: int | None = None) -> None:
+        """Index committed[:n] (all of it by default)."""
+        n = len(committed) if n is None else n
+        if committed is not self.committed or n < self.size:
+            self.committed, self.size = committed, 0
+            self.last = {k: {} for k in self.match}
+        for k, last in self.last.items():
+            lo, hi = max(0, self.size - k), max(0, n - k)
+            # dict.update keeps the last start of a repeated k-gram: the latest occurrence.
+            last.update(zip(zip(*(committed[lo + j : hi + j] for j in range(k))),
+                            range(lo, hi)))
+        self.size = n
+
+    def lookup(self, sequence: list[int], n: int) -> list[int] | None:
+        """`lookup(sequence, n, match)` for a sequence that begins with the indexed tokens."""
+        for k in self.match:
+            if len(sequence) <= k:
+                continue
+            tail = sequence[-k:]
+            # The starts past the index, latest first, then the index's latest.
+            src = next((s for s in range(len(sequence) - k - 1, max(0, self.size - k) - 1, -1)
+                        if sequence[s : s + k] == tail), None)
+            if src is None:
+                src = self.last[k].get(tuple(tail))
+            if src is not None:
+                src += k
+                period = len(sequence) - src
+                return [int(sequence[src + i % period]) for i in range(n)]
+        return None
+
+
 def copied(tokens: list[int], sampling: SamplingParams | None, vocab_size: int) -> Rollout:
     """A rollout of copied tokens: the draft is sure of each (q is a point mass)."""
     n = len(tokens)
@@ -74,13 +119,23 @@ class LookupDrafter:
         # drafter's next job (a draft that reads features needs them all, in order).
         self._features: list = []
         # The main line of the last compacting job whose main sequence was copied: the inner
-        # drafter has not seen it, and must compact to it before its next job.
-        self._main: list[int] | None = None
+        # drafter has not seen it, and must compact to it before its next job. Kept as the
+        # job's committed tokens (the list, its length then) and the rest of the line.
+        self._main: tuple[list[int] | None, int, list[int]] | None = None
+        self._index = NgramIndex(match)
         self.copies = 0  # sequences answered from the context
+
+    def _lookup(self, job: Job) -> list[list[int] | None]:
+        if not job.n:
+            return [None] * len(job.sequences)
+        if job.committed is None:
+            return [lookup(s, job.n, self.match) for s in job.sequences]
+        self._index.update(job.committed, job.committed_len)
+        return [self._index.lookup(s, job.n) for s in job.sequences]
 
     def submit(self, job: Job) -> Future[JobResult]:
         start = time.perf_counter()
-        found = [lookup(s, job.n, self.match) if job.n else None for s in job.sequences]
+        found = self._lookup(job)
         ask = [i for i, f in enumerate(found) if f is None]
         self.copies += len(found) - len(ask)
         copies = {i: copied(f, job.sampling, self.vocab_size) for i, f in enumerate(found)
@@ -88,7 +143,12 @@ class LookupDrafter:
         if job.compact:
             self._main = None
             if found[0] is not None:
-                self._main = list(job.sequences[0])
+                c = job.committed
+                if c is None:
+                    self._main = (None, 0, list(job.sequences[0]))
+                else:
+                    n = job.committed_len
+                    self._main = (c, n, job.sequences[0][n:])
         if not ask:
             self._features += job.features
             done: Future[JobResult] = Future()
@@ -102,8 +162,13 @@ class LookupDrafter:
         if inner.compact or main is None:
             future = self.inner.submit(inner)
         else:
-            future = _after(self.inner.submit(Job([main], 0, label="catch-up",
-                                                  features=features)),
+            c, n, rest = main
+            line = rest if c is None else c[:n] + rest
+            # The committed tokens vouch for the catch-up's line while they have not grown.
+            same = c is not None and len(c) == n
+            future = _after(self.inner.submit(Job([line], 0, label="catch-up",
+                                                  features=features,
+                                                  committed=c if same else None)),
                             self.inner.submit(replace(inner, features=[])))
         return _merge(future, copies, ask) if copies else future
 

@@ -81,12 +81,24 @@ class Executor(Protocol):
         features); a token may read the own output of one fed before it in the same call."""
 
 
-def common_prefix(a, b) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+def common_prefix(a: list[int], b: list[int], start: int = 0, stop: int | None = None) -> int:
+    """The length of the longest common prefix of a[:stop] and b[:stop], given that their
+    first `start` tokens are equal. Slices compare in C: a context's worth of tokens costs
+    microseconds where a Python loop over it costs milliseconds."""
+    n = min(len(a), len(b), len(a) if stop is None else stop)
+    lo = min(start, n)
+    if a[lo:n] == b[lo:n]:
+        return n
+    hi = n  # the first difference lies in [lo, hi): halve the range in C down to a few
+    while hi - lo > 16:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    while a[lo] == b[lo]:
+        lo += 1
+    return lo
 
 
 @dataclass
@@ -100,7 +112,7 @@ class Path:
 
 @dataclass
 class TreeState:
-    trunk: list[int] = field(default_factory=list)
+    trunk: list[int] = field(default_factory=list)  # its own list, changed in place
     paths: list[Path] = field(default_factory=list)
     size: int = 0  # slots in use
     exact: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))  # per slot (features)
@@ -110,9 +122,37 @@ class TreeState:
     line: list[int] = field(default_factory=list)
     rows: np.ndarray | None = None
     have: np.ndarray = field(default_factory=lambda: np.zeros(0, bool))
+    # The last job's committed tokens (Job.committed), and how far `trunk` and `line` are known
+    # to agree with them: comparisons with a later job's sequences start there.
+    committed: list[int] | None = None
+    committed_len: int = 0
+    trunk_ok: int = 0
+    line_ok: int = 0
+
+    def begin(self, committed: list[int] | None, size: int) -> None:
+        """A job whose sequences begin with committed[:size] starts: what is known about
+        agreement with the last job's holds if they are the same list, grown."""
+        if committed is None or committed is not self.committed or size < self.committed_len:
+            self.trunk_ok = self.line_ok = 0
+        self.committed = committed
+        self.committed_len = size
+
+    def set_trunk(self, seq: list[int], agree: int, depth: int) -> None:
+        """Make the trunk seq[:depth], given that it agrees with seq on its first `agree`."""
+        del self.trunk[min(agree, depth):]
+        self.trunk += seq[len(self.trunk) : depth]
+        self.trunk_ok = min(depth, self.committed_len)
+
+    def agreement(self, seq: list[int]) -> int:
+        """How many leading tokens `seq` (a sequence of the current job) shares with `line`."""
+        p = common_prefix(seq, self.line, min(self.line_ok, len(seq), len(self.line)))
+        self.line_ok = max(self.line_ok, min(p, self.committed_len))
+        return p
 
     def learn(self, f: Features) -> None:
-        keep = min(common_prefix(self.line, f.line), f.start, len(self.have))
+        known = min(self.line_ok, f.start, self.committed_len)
+        same = common_prefix(self.line, f.line, known)
+        keep = min(same, f.start, len(self.have))
         end = f.start + len(f.rows)
         if self.rows is None or len(self.rows) < end:
             grown = np.zeros((max(end, 2 * len(self.have)), f.rows.shape[1]), np.float32)
@@ -125,7 +165,9 @@ class TreeState:
         self.have[keep:] = False
         self.rows[f.start : end] = f.rows
         self.have[f.start : end] = True
-        self.line = list(f.line)
+        del self.line[same:]
+        self.line += f.line[same:]
+        self.line_ok = max(min(same, self.line_ok), min(f.start, self.committed_len))
 
     def mark(self, at: int, kinds: list[int]) -> None:
         """Slots from `at` were just fed tokens whose features came from `kinds`."""
@@ -136,63 +178,86 @@ class TreeState:
             self.exact = grown
         self.exact[at:end] = np.isin(kinds, (TARGET, ZERO))
 
-    def target_row(self, seq: list[int], p: int, agree: int) -> np.ndarray | None:
-        """The target's features after position p of `seq` (which agrees with `line` on its
-        first `agree` tokens), if known."""
+    def target_row(self, p: int, agree: int) -> np.ndarray | None:
+        """The target's features after position p of a sequence that agrees with `line` on
+        its first `agree` tokens, if known."""
         if 0 <= p < min(agree, len(self.have)) and self.have[p]:
             return self.rows[p]
         return None
 
-    def deepest(self, seq: list[int]) -> tuple[int, Path | None, int]:
-        """Longest prefix of `seq` in the cache: (length, branch it runs along, tokens of it)."""
-        p = common_prefix(self.trunk, seq)
+    def target_rows(self, start: int, stop: int, agree: int) -> np.ndarray:
+        """Whether target_row is known for each of the positions [start, stop)."""
+        known = np.zeros(max(0, stop - start), bool)
+        end = min(stop, agree, len(self.have))
+        if end > start:
+            known[: end - start] = self.have[start:end]
+        return known
+
+    def deepest(self, seq: list[int], stop: int | None = None
+                ) -> tuple[int, Path | None, int, int]:
+        """Longest prefix of seq[:stop] in the cache: (length, branch it runs along, tokens
+        of it, tokens it shares with the trunk)."""
+        stop = len(seq) if stop is None else stop
+        p = common_prefix(self.trunk, seq, min(self.trunk_ok, stop), stop)
+        self.trunk_ok = max(self.trunk_ok, min(p, self.committed_len))
         best, via, used = p, None, 0
         for path in self.paths:
             if path.start == p:
-                m = common_prefix(path.tokens, seq[p:])
+                m = common_prefix(path.tokens, seq[p:stop])
                 if p + m > best:
                     best, via, used = p + m, path, m
-        return best, via, used
+        return best, via, used, p
 
 
-def _compact(main: list[int], ex: Executor, state: TreeState) -> int:
-    """Make the cached prefix of `main` the trunk; returns its length. A draft that reads
+def _compact(main: list[int], stop: int, ex: Executor, state: TreeState) -> int:
+    """Make the cached prefix of main[:stop] the trunk; returns its length. A draft that reads
     features keeps it only up to the first token that is to be fed again (see above)."""
-    depth, via, used = state.deepest(main)
+    depth, via, used, agree_trunk = state.deepest(main, stop)
     keep = depth - used
     state.stale = {}
     if ex.reads_features:
         def slot(p: int) -> int:
             return p if p < keep else via.slots[p - keep]
 
-        agree = common_prefix(main, state.line)
-        for p in range(max(1, min(state.settled, keep)), depth):
-            if not state.exact[slot(p)] and state.target_row(main, p - 1, agree) is not None:
-                state.stale = {q: slot(q) for q in range(p, depth)}
-                depth, used, keep = p, max(0, p - keep), min(keep, p)
-                break
+        agree = state.agreement(main)
+        # The first token to feed again: one fed the draft's own feature where the target's
+        # is known now. On the trunk, found in numpy (`settled` may lie far back).
+        lo = max(1, min(state.settled, keep))
+        hi = max(lo, min(keep, depth))
+        again = ~state.exact[lo:hi] & state.target_rows(lo - 1, hi - 1, agree)
+        first = lo + int(np.argmax(again)) if again.any() else None
+        if first is None:
+            first = next((p for p in range(hi, depth) if not state.exact[slot(p)]
+                          and state.target_row(p - 1, agree) is not None), None)
+        if first is not None:
+            p = first
+            state.stale = {q: slot(q) for q in range(p, depth)}
+            depth, used, keep = p, max(0, p - keep), min(keep, p)
     if via is not None and used:
         ex.gather(keep, via.slots[:used])
         if ex.reads_features:
             state.mark(keep, [TARGET if e else OWN for e in state.exact[via.slots[:used]]])
     else:
         ex.truncate(keep)
-    state.trunk, state.paths, state.size = main[:depth], [], depth
+    state.set_trunk(main, agree_trunk, depth)
+    state.paths, state.size = [], depth
     state.settled = min(state.settled, depth)
-    while ex.reads_features and state.settled < depth and state.exact[state.settled]:
-        state.settled += 1
+    if ex.reads_features and state.settled < depth:
+        run = state.exact[state.settled : depth]  # in numpy: after a prefill it is all of it
+        state.settled += len(run) if run.all() else int(np.argmin(run))
     return depth
 
 
-def _refs(seq: list[int], start: int, stop: int, state: TreeState, agree: int, first: int,
-          slot0: int, stale=None) -> FeatureRefs:
-    """Features of seq's tokens at positions [start, stop), fed into slots slot0, slot0 + 1,
-    ...: the target's where known, else the draft's own output at the slot holding the token
-    before (`first` for the one before `start`), or, with `stale` (position -> slot or None),
-    what the token's earlier slot was fed."""
+def _refs(start: int, stop: int, state: TreeState, agree: int, first: int, slot0: int,
+          stale=None) -> FeatureRefs:
+    """Features of a sequence's tokens at positions [start, stop) (the sequence agrees with
+    the target's `line` on its first `agree`), fed into slots slot0, slot0 + 1, ...: the
+    target's where known, else the draft's own output at the slot holding the token before
+    (`first` for the one before `start`), or, with `stale` (position -> slot or None), what
+    the token's earlier slot was fed."""
     refs = FeatureRefs([], [], [])
     for p in range(start, stop):
-        row = state.target_row(seq, p - 1, agree)
+        row = state.target_row(p - 1, agree)
         if row is not None:
             refs.kinds.append(TARGET)
             refs.refs.append(len(refs.target))
@@ -216,6 +281,7 @@ def run_job(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
     except BaseException:
         # The cache may be half-updated: forget it; the next job prefills afresh.
         state.trunk, state.paths, state.size, state.settled = [], [], 0, 0
+        state.trunk_ok = 0
         ex.truncate(0)
         raise
 
@@ -223,9 +289,11 @@ def run_job(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
 def _run(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
          top_k: int) -> JobResult:
     start = time.perf_counter()
-    seqs = [list(s) for s in job.sequences]
+    # The sequences are read, never copied whole nor kept: what the state keeps it copies.
+    seqs = job.sequences
     if not seqs or any(not s for s in seqs):
         raise ValueError("a draft job needs non-empty sequences")
+    state.begin(job.committed, job.committed_len)
     # Each sequence's last token is fed by the rollout, which needs its logits; a prefill
     # (n == 0) stops before it and leaves it to the next job.
     caps = [len(s) - 1 for s in seqs]
@@ -238,24 +306,24 @@ def _run(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
                         None, True)
         return JobResult([empty] * len(seqs), start, time.perf_counter(), job.label)
     if job.compact:
-        reused = _compact(seqs[0][: caps[0]], ex, state)
-        # Extend the trunk with what every sequence shares.
+        reused = _compact(seqs[0], caps[0], ex, state)
+        # Extend the trunk with what every sequence shares (all share the committed tokens).
         shared = min(caps)
         for s in seqs[1:]:
-            shared = min(shared, common_prefix(seqs[0], s))
+            shared = common_prefix(seqs[0], s, min(state.committed_len, shared), shared)
         missing = shared - len(state.trunk)
         if missing > 0 and (job.n == 0 or len(seqs) > 1 or missing > MERGE_FEED):
             main = seqs[0]
-            agree = common_prefix(main, state.line)
+            agree = state.agreement(main)
             for at in range(len(state.trunk), shared, PREFILL_CHUNK):
                 end = min(at + PREFILL_CHUNK, shared)
-                refs = _refs(main, at, end, state, agree, at - 1, at, state.stale.get) \
+                refs = _refs(at, end, state, agree, at - 1, at, state.stale.get) \
                     if ex.reads_features else None
                 ex.forward(main[at:end], at, None, [], refs)
                 if refs is not None:
                     state.mark(at, refs.kinds)
             fed += missing
-            state.trunk = main[:shared]
+            state.set_trunk(main, len(state.trunk), shared)
             state.size = shared
     if job.n == 0:
         return JobResult([], start, time.perf_counter(), job.label, fed_tokens=fed,
@@ -264,11 +332,14 @@ def _run(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
     # Roll out every sequence as a branch, one batched forward per drafted token.
     branches = []
     for s, cap in zip(seqs, caps):
-        depth, via, m = state.deepest(s[:cap])
+        depth, via, m, _ = state.deepest(s, cap)
         branches.append(Path(depth - m, via.tokens[:m] if via else [],
                              via.slots[:m] if via else []))
         if not job.compact:
             reused += depth
+    # How far each sequence agrees with the target's line (its drafts are compared as they
+    # come: `agree_drafted`).
+    agree = [state.agreement(s) for s in seqs] if ex.reads_features else []
     feed = [s[b.start + len(b.tokens):] for s, b in zip(seqs, branches)]
     drafted: list[list[int]] = [[] for _ in seqs]
     tops, top_probs, qs = [[] for _ in seqs], [[] for _ in seqs], [[] for _ in seqs]
@@ -289,8 +360,8 @@ def _run(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
             path = branches[b]
             at = path.start + len(path.tokens)
             if refs is not None:
-                full = seqs[b] + drafted[b]
-                mine = _refs(full, at, at + len(toks), state, common_prefix(full, state.line),
+                mine = _refs(at, at + len(toks), state, _agree_drafted(
+                                 agree[b], seqs[b], drafted[b], state.line),
                              path.slots[-1] if path.tokens else path.start - 1,
                              state.size + len(tokens),
                              state.stale.get if b == 0 and job.compact else None)
@@ -346,6 +417,13 @@ def _run(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
     ]
     return JobResult(rollouts, start, time.perf_counter(), job.label, fed_tokens=fed,
                      forwards=forwards, reused_tokens=reused)
+
+
+def _agree_drafted(agree: int, seq: list[int], drafted: list[int], line: list[int]) -> int:
+    """How far seq + drafted agrees with `line`, given that seq agrees on its first `agree`."""
+    if agree < len(seq):
+        return agree
+    return agree + common_prefix(drafted, line[agree : agree + len(drafted)])
 
 
 def _choose(logits: np.ndarray, head_ids: np.ndarray, vocab: int, job: Job, rng, top_k: int):

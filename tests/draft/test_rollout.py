@@ -91,3 +91,22 @@ def test_sampled_drafting_does_not_queue_behind_the_target():
     target = time.perf_counter() - start
     assert len(chosen) == 4 and all(q is not None for *_, q, _ in chosen)
     assert drafted < target / 4, (drafted, target)
+
+
+def test_jobs_that_name_their_committed_tokens_stay_exact(setup):
+    """The cache compares a job's sequences only past the committed tokens of the last job
+    when they are the same list, grown; a new list (a rewritten history) is compared whole."""
+    target, drafter = setup
+    committed = target.tokenizer.encode("The three largest rivers in Europe are")
+    D = drafter.submit(Job([committed], 4, committed=committed)).result().rollouts[0].tokens
+    committed += D[:2] + [300]  # two drafts accepted, then a token of the target's
+    early = drafter.submit(Job([committed + [17]], 3, committed=committed)).result()
+    assert early.rollouts[0].tokens == greedy(target, committed + [17], 3)
+    assert early.reused_tokens == len(committed) - 1  # the rejected drafts were cut off
+
+    # The same tokens but an earlier one changed, in a new list: nothing past it is reused.
+    rewritten = list(committed)
+    rewritten[3] = 555
+    again = drafter.submit(Job([rewritten], 3, committed=rewritten)).result()
+    assert again.rollouts[0].tokens == greedy(target, rewritten, 3)
+    assert again.reused_tokens == 3
