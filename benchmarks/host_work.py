@@ -63,6 +63,7 @@ class InlineDrafter:
         self.context = None
         self.head_ids = self.executor.head_ids
         self.compute = "stand-in"
+        self.inline = True
         self.feature_layers = (1,) if reads_features else ()
         self.state = TreeState()
         self.rng = np.random.default_rng(0)

@@ -16,8 +16,9 @@ short ones.
 That rule still pays one draft forward per step to learn that a window is empty, and where the
 draft is rarely right (a hot temperature, text unlike what it learnt) every step pays it. So
 whether to draft at all is decided per sampling temperature from what drafting steps have
-actually earned there: the tokens each committed times t_1 over what it cost (1 is what
-target-only decoding earns). Below that, steps stop drafting (they cost what an AR step costs,
+actually earned there: the tokens each committed times t_1 over what it cost (t_1, c_v per
+token it verified, and its drafting on the critical path; 1 is what target-only decoding
+earns). Below that, steps stop drafting (they cost what an AR step costs,
 and only copies from the context, which are free, are still tried) for a pause that doubles
 each time a probe of a few drafting steps finds it still does not pay; where it pays again
 drafting stays on.
@@ -64,12 +65,16 @@ class DraftLength:
             return False
         return True
 
-    def record_step(self, temperature: float, committed: int, seconds: float) -> None:
-        """A drafting step committed `committed` tokens in `seconds` (drafting included)."""
-        if not self.target_s or seconds <= 0:
+    def record_step(self, temperature: float, committed: int, drafted: int,
+                    draft_s: float) -> None:
+        """A drafting step verified `drafted` tokens, committed `committed` and spent
+        `draft_s` seconds drafting on its critical path. Its cost is priced with the fitted
+        target costs (t_1 + c_v per drafted token), which a single step's noisy time is not."""
+        if not self.target_s:
             return
         gate = self.gates.setdefault(round(temperature, 2), Gate())
-        earned = committed * self._fit()[0] / seconds
+        t1, slope = self._fit()
+        earned = committed * t1 / (t1 + slope * drafted + draft_s)
         gate.measured += 1
         # A probe's mean, then a running average.
         weight = max(EMA, 1 / gate.measured)

@@ -170,7 +170,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             timeline.append((label, start, end))
 
     while True:
-        top = time.perf_counter()
+        spent = 0.0  # drafting on this step's critical path
         longest = length.longest if length else config.gamma
         g = asked = max(0, min(longest, limit - len(committed)))
         confidence = length.threshold() if length else 0.0
@@ -182,6 +182,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
                                       copy_only=not drafting)).result()
             pending = []
             window = done.rollouts[0]
+            spent += time.perf_counter() - t
             stats.add_time("draft_serial", time.perf_counter() - t)
             mark("draft_fresh", t, time.perf_counter())
             if length and not done.extra.get("lookup"):
@@ -311,6 +312,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             if window is not None and not window.tokens and not window.ended:
                 window, outcome = None, "fallback"  # stopped before it drafted anything
             mark(f"outcome:{outcome}", t_done, t_done)
+            spent += time.perf_counter() - wait
             stats.add_time("wait", time.perf_counter() - wait)
             target_span = (t_start, t_done)
             for job in filter(None, (early_done, late_done)):
@@ -332,6 +334,6 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         if charged is not None and drafting:
             scheduler.record(charged[0], charged[1], len(new))
         if length and drafting and asked:
-            length.record_step(sampler.params.temperature, len(new), time.perf_counter() - top)
+            length.record_step(sampler.params.temperature, len(new), g, spent)
         committed += new
         yield new

@@ -65,7 +65,7 @@ def speculative(model: nn.Module, cache: list, drafter: Drafter, committed: list
             gamma.record_target(t2 - t1, g)
             stats.draft_lengths[g] = stats.draft_lengths.get(g, 0) + 1
             if drafting and asked:
-                gamma.record_step(sampler.params.temperature, len(new), t2 - t0)
+                gamma.record_step(sampler.params.temperature, len(new), g, t1 - t0)
         stats.record_step(g, accepted)
         committed += new
         yield new

@@ -35,6 +35,7 @@ class StandIn:
         self.reads_features = reads_features
         self.context = None
         self.compute = "stand-in"
+        self.inline = True
         self.feature_layers = (1,) if reads_features else ()
         self.logits = np.random.default_rng(0).normal(size=(64, 1, 256)).astype(np.float32)
         self.forwards = 0
