@@ -170,17 +170,21 @@ def teacher_forced(model, records: list[tuple[np.ndarray, np.ndarray]],
     return [out[i] for i in range(len(records))]
 
 
-def _records(replies: Replies, picks: list[tuple[str, int]], seq_len: int) -> list[tuple]:
+def _records(replies: Replies, picks: list[tuple[str, int]], seq_len: int,
+             context: int) -> list[tuple]:
     """(prompt, reply, temperature) of each pick, the reply cut where training stops reading:
     a record longer than seq_len is trained on from PROMPT_TAIL tokens before its reply
     (distill.window), so what lies past that costs a forward and is never read. The prompt is
-    kept whole: the target's labels must see the context the reply was written in."""
+    kept whole, as the target's labels must see the context the reply was written in, unless
+    the record outgrows the target's context: then its end, as much as fits."""
     out = []
     for s, k in picks:
         prompt = replies.prompts[int(replies.prompt_index[s][k])]
         reply = replies.replies[s][k]
         _, end = window(len(prompt), len(prompt) + len(reply), seq_len)
-        out.append((prompt, reply[: end - len(prompt)], SETS[s]))
+        reply = reply[: end - len(prompt)]
+        prompt = prompt[max(0, len(prompt) + len(reply) - context):]
+        out.append((prompt, reply, SETS[s]))
     return out
 
 
@@ -244,8 +248,9 @@ def replies_data(target: LoadedModel, path: Path, out: Path,
                                f"(got '{','.join(sets)}')")
     if count is not None and count < 1:
         raise InvalidParameter(f"--conversations must be at least 1 (got {count})")
-    if seq_len <= PROMPT_TAIL:
-        raise InvalidParameter(f"--seq-len must be over {PROMPT_TAIL} (got {seq_len})")
+    if not PROMPT_TAIL < seq_len <= target.context_length:
+        raise InvalidParameter(f"--seq-len must be in {PROMPT_TAIL + 1}..{target.context_length}"
+                               f" (the target's context; got {seq_len})")
     if shard_size < 1 or batch_tokens < 1:
         raise InvalidParameter("shard_size and batch_tokens must be positive")
     replies = read_replies(path, sets, target.vocab_size)
@@ -259,7 +264,7 @@ def replies_data(target: LoadedModel, path: Path, out: Path,
                     "top_k": TOP_K, "shard_size": shard_size, "seq_len": seq_len})
     shards = [picks[i : i + shard_size] for i in range(0, len(picks), shard_size)]
     names = [folder / f"shard-{i:05d}.npz" for i in range(len(shards))]
-    records = [_records(replies, s, seq_len) for s in shards]
+    records = [_records(replies, s, seq_len, target.context_length) for s in shards]
     work = [sum(_work(p, r) for p, r, _ in recs) for recs in records]
     done = sum(w for w, name in zip(work, names) if name.exists())
     progress = Progress("teacher forcing", sum(work), unit="tok", done=done)

@@ -8,7 +8,7 @@ from mirror_mlx.cli import main
 from mirror_mlx.errors import DataFileError, InvalidParameter
 from mirror_mlx.train.data import load_data
 from mirror_mlx.train.distill import examples
-from mirror_mlx.train.replies import replies_data, write_replies
+from mirror_mlx.train.replies import Replies, _records, replies_data, write_replies
 
 import mlx.core as mx
 import numpy as np
@@ -130,3 +130,16 @@ def test_cli_makes_the_data_only(replies, tmp_path, capsys):
     assert main(["distill", "--replies", str(tmp_path / "none.npz"), "--out", str(out),
                  "--data-only"]) == 1
     assert "replies file not found" in capsys.readouterr().err
+
+
+def test_records_keep_what_training_reads_within_the_context():
+    prompts = [np.arange(10), np.arange(100, 600)]
+    replies = Replies(prompts, {"greedy": [np.arange(1000, 1300)], "t08": [np.arange(2000, 2030)]},
+                      {"greedy": np.array([0]), "t08": np.array([1])})
+    (p0, r0, t0), (p1, r1, t1) = _records(replies, [("greedy", 0), ("t08", 0)], seq_len=64,
+                                          context=520)
+    # A short prompt: training reads the first 64 tokens, so the reply stops at 54.
+    assert (p0 == prompts[0]).all() and (r0 == np.arange(1000, 1054)).all() and t0 == 0.0
+    # The whole reply fits after 32 prompt tokens; the prompt loses its head to the context.
+    assert (r1 == np.arange(2000, 2030)).all() and t1 == 0.8
+    assert (p1 == np.arange(110, 600)).all() and len(p1) + len(r1) == 520
