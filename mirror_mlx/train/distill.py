@@ -354,6 +354,6 @@ def data_summary(folder: Path) -> dict:
     for path in shards:
         with np.load(path) as s:
             records += len(s["prompt_len"])
-            tokens += len(s["top_ids"])
+            tokens += int(s["offsets"][-1]) - int(s["prompt_len"].sum())
     return {"data": str(folder), "shards": len(shards), "records": records,
             "response_tokens": tokens}
