@@ -176,10 +176,19 @@ def build_parser() -> argparse.ArgumentParser:
                                        "samples (resumable)")
     p.add_argument("--target", default=None, help="target model spec (as --model elsewhere)")
     p.add_argument("--out", required=True, help="work folder: data/, checkpoint/, draft/")
-    p.add_argument("--conversations", type=int, default=4000,
-                   help="prompts to sample responses for (passages and follow-ups add more)")
+    p.add_argument("--conversations", type=int, default=None,
+                   help="prompts to sample responses for (default 4000; passages and follow-ups "
+                        "add more), or with --replies the replies to use (default all)")
     p.add_argument("--prompts", default=None,
                    help="a file of prompts, one per line (default: generated prompts)")
+    p.add_argument("--replies", default=None,
+                   help="an npz file of the target's own replies to prompts: instead of "
+                        "sampling, label them with the target's top-8 (one forward each)")
+    p.add_argument("--sets", default="greedy,t08",
+                   help="with --replies: the sets of replies to use, taken in turn "
+                        "(greedy, t08 or both)")
+    p.add_argument("--data-only", action="store_true",
+                   help="make the data (resumable) and stop before training")
     p.add_argument("--features", default="auto",
                    help="a draft that reads the target's hidden states: 'auto' (a low, a middle "
                         "and a late layer), comma-separated layer numbers, or 'none' (a draft of "
@@ -362,9 +371,13 @@ def cmd_inspect(args) -> None:
 def cmd_distill(args) -> None:
     from pathlib import Path
 
+    from .errors import InvalidParameter
     from .models.load import load
     from .train.distill import TrainConfig, run_distill
 
+    if args.replies and args.prompts:
+        raise InvalidParameter("--prompts and --replies exclude each other: replies come with "
+                               "their prompts")
     target = load(args.target, dtype="float32")
     features = _feature_layers(args.features, target)
     cfg = TrainConfig(layers=args.layers or (1 if features else 3),
@@ -373,9 +386,12 @@ def cmd_distill(args) -> None:
                       init=args.init, features=features, unroll=args.unroll,
                       minutes=args.minutes)
     report = run_distill(target, Path(args.out), cfg, args.conversations, args.max_new,
-                         args.sample_batch, Path(args.prompts) if args.prompts else None)
+                         args.sample_batch, Path(args.prompts) if args.prompts else None,
+                         Path(args.replies) if args.replies else None,
+                         tuple(s.strip() for s in args.sets.split(",")), args.data_only)
     print(json.dumps(report, indent=1))
-    print(f"draft written to {Path(args.out) / 'draft'}", file=sys.stderr)
+    if not args.data_only:
+        print(f"draft written to {Path(args.out) / 'draft'}", file=sys.stderr)
 
 
 def _feature_layers(text: str, target) -> list[int] | None:

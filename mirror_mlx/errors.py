@@ -33,5 +33,9 @@ class PromptFileError(MirrorError):
     """A prompt file that is missing or not in Spec-Bench format."""
 
 
+class DataFileError(MirrorError):
+    """A distillation data file (replies to label) that is missing or not of the form read."""
+
+
 class MissingExtra(MirrorError):
     """An optional dependency that a command needs is not installed."""

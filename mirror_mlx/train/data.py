@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import BatchKVCache
 
+from ..errors import InvalidParameter
 from ..models import split
 from ..models.load import LoadedModel
 from ..progress import Progress
@@ -154,6 +155,10 @@ def generate_data(target: LoadedModel, out: Path, conversations: int, seed: int 
     out/data/. Returns that folder. Resumes where an earlier run stopped."""
     folder = out / "data"
     folder.mkdir(parents=True, exist_ok=True)
+    meta = folder / "meta.json"
+    if meta.exists() and json.loads(meta.read_text()).get("source") == "replies":
+        raise InvalidParameter(f"{folder} holds labelled replies (distill --replies); sample "
+                               f"into another --out")
     if prompts_file:
         specs = [PromptSpec("user", line.strip()) for line in
                  prompts_file.read_text().splitlines() if line.strip()]

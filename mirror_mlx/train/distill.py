@@ -60,6 +60,16 @@ class Example:
     top_logp: np.ndarray
 
 
+PROMPT_TAIL = 32
+
+
+def window(first: int, length: int, seq_len: int) -> tuple[int, int]:
+    """The part [start, end) of a record (its response begins at `first`) that training reads:
+    the end of the prompt (at least PROMPT_TAIL tokens of it) and as much response as fits."""
+    start = max(0, min(first - PROMPT_TAIL, length - seq_len))
+    return start, min(length, start + seq_len)
+
+
 def examples(shards: list[dict], seq_len: int) -> list[Example]:
     out = []
     for s in shards:
@@ -71,9 +81,7 @@ def examples(shards: list[dict], seq_len: int) -> list[Example]:
             pos += n_resp
             toks = s["tokens"][a:b]
             first = len(toks) - n_resp
-            # Keep the end of the prompt and as much response as fits.
-            start = max(0, min(first - 32, len(toks) - seq_len))
-            end = min(len(toks), start + seq_len)
+            start, end = window(first, len(toks), seq_len)
             keep = end - first
             out.append(Example(toks[start:end], first - start, ids[:keep], lp[:keep]))
     return out
@@ -320,10 +328,32 @@ def _resume(folder: Path, net: DraftNet, opt) -> int:
 
 
 
-def run_distill(target: LoadedModel, out: Path, cfg: TrainConfig, conversations: int,
-                max_new: int = 200, batch: int = 48, prompts_file: Path | None = None) -> dict:
-    """Sample data from the target (resuming), then train and save the draft."""
+def run_distill(target: LoadedModel, out: Path, cfg: TrainConfig, conversations: int | None,
+                max_new: int = 200, batch: int = 48, prompts_file: Path | None = None,
+                replies: Path | None = None, sets: tuple[str, ...] = ("greedy", "t08"),
+                data_only: bool = False) -> dict:
+    """Make the data (sampled from the target, or its `replies` labelled; resuming), then train
+    and save the draft; with `data_only`, stop after the data and describe it."""
     from .data import generate_data, load_data
+    from .replies import replies_data
 
-    folder = generate_data(target, out, conversations, cfg.seed, max_new, batch, prompts_file)
+    if replies is not None:
+        folder = replies_data(target, replies, out, sets, conversations, cfg.seq_len)
+    else:
+        folder = generate_data(target, out, conversations or 4000, cfg.seed, max_new, batch,
+                               prompts_file)
+    if data_only:
+        return data_summary(folder)
     return train_draft(target, load_data(folder), out, cfg)
+
+
+def data_summary(folder: Path) -> dict:
+    """What a data folder holds, read from its shards' small arrays only."""
+    records = tokens = 0
+    shards = sorted(folder.glob("shard-*.npz"))
+    for path in shards:
+        with np.load(path) as s:
+            records += len(s["prompt_len"])
+            tokens += int(s["offsets"][-1]) - int(s["prompt_len"].sum())
+    return {"data": str(folder), "shards": len(shards), "records": records,
+            "response_tokens": tokens}
