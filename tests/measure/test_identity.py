@@ -1,0 +1,112 @@
+"""Greedy identity with target-only decoding: a run's first difference is a tie only where the
+target's two best tokens are equal up to rounding both ways (one token at a time, and in a
+window); anything else is a mismatch. The tie is made exact on the real default target by
+giving the runner-up the best token's output row."""
+
+from contextlib import contextmanager
+
+from mirror_mlx.api import Engine
+from mirror_mlx.errors import InvalidParameter
+from mirror_mlx.measure.identity import END, TIE_ULPS, compare, summary, ulp
+from mirror_mlx.selftest import PROMPTS
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+MAX_TOKENS = 8
+AT = 3  # where the tie is made
+
+
+@contextmanager
+def tied(target, best: int, runner_up: int):
+    """The target with `runner_up`'s output row (tied to its embedding) made `best`'s: the two
+    tokens' logits are then equal bit for bit at every position, computed either way."""
+    embed = target.model.model.embed_tokens
+    old = embed.weight
+    rows = np.array(old)
+    rows[runner_up] = rows[best]
+    embed.weight = mx.array(rows)
+    try:
+        yield
+    finally:
+        embed.weight = old
+
+
+@pytest.fixture(scope="module")
+def reply(target):
+    engine = Engine(target)
+    prompt = engine.encode(PROMPTS[0])
+    ids = engine.generate(prompt, max_tokens=MAX_TOKENS).token_ids
+    engine.close()
+    assert len(ids) == MAX_TOKENS
+    logits = target.model(mx.array([prompt + ids[:AT]]))[0, -1]
+    order = np.argsort(-np.array(logits))
+    assert order[0] == ids[AT]
+    return prompt, ids, [int(t) for t in order[:3]]
+
+
+def test_identical_runs_are_identical(target, reply):
+    prompt, ids, _ = reply
+    result = compare(target, prompt, ids, list(ids))
+    assert result.verdict == "identical" and result.passed and result.position is None
+    with pytest.raises(InvalidParameter):
+        compare(target, [], ids, ids[:2])
+
+
+def test_a_difference_at_an_exact_tie_is_a_tie(target, reply):
+    prompt, ids, (best, second, third) = reply
+    with tied(target, best, second):
+        engine = Engine(target)
+        reference = engine.generate(prompt, max_tokens=MAX_TOKENS).token_ids
+        engine.close()
+        # Both tokens now have the same logit and input row: the path is the same, with the
+        # tie broken one way wherever either is the best.
+        assert [t if t not in (best, second) else best for t in reference] == \
+            [t if t not in (best, second) else best for t in ids]
+        at = next(i for i, t in enumerate(reference) if t in (best, second))
+        assert at <= AT
+        taken = reference[at]
+        other = reference[:at] + [best + second - taken] + reference[at + 1:]
+        result = compare(target, prompt, reference, other)
+        assert (result.verdict, result.position) == ("tie", at) and result.passed
+        assert (result.reference_token, result.other_token) == (taken, best + second - taken)
+        assert result.dtype == "float32" and result.window_tokens == 1 + MAX_TOKENS - at
+        assert result.tolerance == TIE_ULPS["float32"] * ulp(result.one_token.largest, "float32")
+        assert result.tolerance < 1e-4  # float32 on the CPU: tight
+        for way in (result.one_token, result.window):
+            assert way.argmax == taken and way.runner_up == best + second - taken
+            assert way.gap == 0.0 and way.reference_below_best == way.other_below_best == 0.0
+        text = summary([compare(target, prompt, reference, reference), result],
+                       target.tokenizer)
+        assert text.startswith(f"identical on 1 of 2 prompts; prompt 2: tie at token {at}: ")
+        assert "top-2 gap 0 one token at a time" in text and f"window of {1 + MAX_TOKENS - at}" \
+            in text and "16 ulps of float32" in text
+
+        # The third-best token there is no tie: a real failure.
+        wrong = reference[:at] + [third] + reference[at + 1:]
+        result = compare(target, prompt, reference, wrong)
+        assert (result.verdict, result.position, result.other_token) == ("mismatch", at, third)
+        assert not result.passed and result.one_token.other_below_best > result.tolerance
+
+
+def test_the_runner_up_of_the_real_target_is_a_mismatch(target, reply):
+    """Unedited, the default target's best and second tokens at AT are far apart in float32."""
+    prompt, ids, (best, second, _) = reply
+    other = ids[:AT] + [second] + ids[AT + 1:]
+    result = compare(target, prompt, ids, other)
+    assert (result.verdict, result.position) == ("mismatch", AT)
+    for way in (result.one_token, result.window):
+        assert way.argmax == best and way.runner_up == second
+        assert way.gap > 100 * result.tolerance
+    assert result.window_tokens == 1 + MAX_TOKENS - AT
+    assert "mismatch at token 3: " in summary([result], target.tokenizer)
+
+
+def test_a_run_that_ends_early_ends_at_its_difference(target, reply):
+    prompt, ids, _ = reply
+    result = compare(target, prompt, ids, ids[:AT])
+    assert (result.verdict, result.position) == ("mismatch", AT)
+    assert (result.reference_token, result.other_token) == (ids[AT], END)
+    assert result.window_tokens == 1  # nothing followed: the prefix's last token alone
+    assert "<end>" in result.describe(target.tokenizer)
