@@ -3,12 +3,16 @@ target's two best tokens are equal up to rounding both ways (one token at a time
 window); anything else is a mismatch. The tie is made exact on the real default target by
 giving the runner-up the best token's output row."""
 
+import json
 from contextlib import contextmanager
 
 from mirror_mlx.api import Engine
 from mirror_mlx.errors import InvalidParameter
+from mirror_mlx.measure.bench import BenchConfig, BenchResult, EnergyResult, Run, check_identity
 from mirror_mlx.measure.identity import END, TIE_ULPS, compare, summary, ulp
-from mirror_mlx.selftest import PROMPTS
+from mirror_mlx.measure.report import markdown, summarize, to_json
+from mirror_mlx.measure.stats import GenerationStats
+from mirror_mlx.selftest import PROMPTS, identity_check, run_check
 
 import mlx.core as mx
 import numpy as np
@@ -83,11 +87,23 @@ def test_a_difference_at_an_exact_tie_is_a_tie(target, reply):
         assert "top-2 gap 0 one token at a time" in text and f"window of {1 + MAX_TOKENS - at}" \
             in text and "16 ulps of float32" in text
 
+        tied_result = result
+
         # The third-best token there is no tie: a real failure.
         wrong = reference[:at] + [third] + reference[at + 1:]
         result = compare(target, prompt, reference, wrong)
         assert (result.verdict, result.position, result.other_token) == ("mismatch", at, third)
         assert not result.passed and result.one_token.other_below_best > result.tolerance
+
+    # doctor --selftest's identity checks: the tie passes, stated; the mismatch fails.
+    check = run_check("identity", lambda: identity_check([tied_result], target.tokenizer))
+    assert check.status == "ok" and check.detail.startswith(
+        f"identical on 0 of 1 prompts; prompt 1: tie at token {at}: ")
+    check = run_check("identity", lambda: identity_check([tied_result, result]))
+    assert check.status == "FAIL" and check.detail.startswith(
+        "greedy output differs from target-only decoding: identical on 0 of 2 prompts; "
+        f"prompt 1: tie at token {at}: ") and f"; prompt 2: mismatch at token {at}: " \
+        in check.detail
 
 
 def test_the_runner_up_of_the_real_target_is_a_mismatch(target, reply):
@@ -110,3 +126,46 @@ def test_a_run_that_ends_early_ends_at_its_difference(target, reply):
     assert (result.reference_token, result.other_token) == (ids[AT], END)
     assert result.window_tokens == 1  # nothing followed: the prefix's last token alone
     assert "<end>" in result.describe(target.tokenizer)
+
+
+def test_the_bench_counts_ties_and_mismatches(target, reply, tmp_path):
+    """Greedy agreement per mode: the identical generations, then each differing one with its
+    verdict, in bench.json and bench.md; a later turn after a differing reply is not compared."""
+    prompt, ids, (best, second, third) = reply
+    with tied(target, best, second):
+        engine = Engine(target)
+        reference = engine.generate(prompt, max_tokens=MAX_TOKENS).token_ids
+        engine.close()
+        at = next(i for i, t in enumerate(reference) if t in (best, second))
+        tie = reference[:at] + [best + second - reference[at]] + reference[at + 1:]
+        wrong = reference[:at] + [third] + reference[at + 1:]
+
+        def run(mode, turn, tokens, ids=prompt):
+            return Run(mode, "7", "qa", turn, 0, tokens, 1, 0.1, 0.2, GenerationStats(), ids)
+
+        later = prompt + [1, 2]
+        runs = [run("ar", 0, reference), run("ar", 1, reference, later),
+                run("sd", 0, list(reference)), run("sd", 1, wrong, later),
+                run("mirror", 0, tie), run("mirror", 1, wrong, prompt + tie)]
+        config = BenchConfig(modes=("ar", "sd", "mirror"), max_tokens=MAX_TOKENS)
+        check_identity(target, runs, config)
+    result = BenchResult(config, runs, EnergyResult("none", "unavailable: a test"), [], {})
+    agreement = summarize(result)["greedy_agreement"]
+    assert {m: (a["identical"], a["total"], a["ties"], a["mismatches"], a["not_compared"])
+            for m, a in agreement.items()} == {"sd": (1, 2, 0, 1, 0), "mirror": (0, 2, 1, 0, 1)}
+    tie_run = agreement["mirror"]["differ"][0]
+    assert (tie_run["turn"], tie_run["at"], tie_run["verdict"]) == (0, at, "tie")
+    assert tie_run["identity"]["one_token"]["gap"] == tie_run["identity"]["window"]["gap"] == 0
+    assert agreement["mirror"]["differ"][1]["verdict"] == "not compared"
+    assert agreement["sd"]["differ"][0]["verdict"] == "mismatch"
+
+    doc = to_json(result, summarize(result), target, "test", "test")
+    doc = json.loads(json.dumps(doc))  # as bench.json holds it
+    assert doc["runs"][4]["identity"]["verdict"] == "tie" and doc["runs"][2]["identity"] is None
+    md = markdown(doc, {})
+    assert "- SD (ours): 1/2 generations token-identical, 0 ties, 1 mismatches" in md
+    assert "- Mirror-SD (ours): 0/2 generations token-identical, 1 ties, 0 mismatches, " \
+        "1 not compared" in md
+    assert f"  - q7.1, repeat 1: tie at token {at}: " in md
+    assert f"  - q7.2, repeat 1: mismatch at token {at}: {reference[at]} (target-only) vs " \
+        f"{third}; " in md
