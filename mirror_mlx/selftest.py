@@ -133,7 +133,7 @@ class Selftest:
                 hidden.append(got.stats.overlap_fraction)
         finally:
             engine.close()
-        return (f"{identity_check(verdicts, self.target.tokenizer)}; {tokens / steps:.2f} "
+        return (f"{identity_check(verdicts)}; {tokens / steps:.2f} "
                 f"tokens per target step; drafting hidden under the target's forward: "
                 f"{100 * float(np.mean(hidden)):.0f}%")
 
@@ -249,11 +249,11 @@ class Selftest:
                 f"({reading.watts:.1f} W, {reading.total_j / max(tokens, 1):.3f} J/token)")
 
 
-def identity_check(verdicts: list[Identity], tokenizer=None) -> str:
+def identity_check(verdicts: list[Identity]) -> str:
     """Greedy Mirror-SD against target-only decoding, prompt by prompt: a difference at a tie
     of the target's own two best tokens is rounding (a window and one token take different
     kernels on a GPU) and passes, stated with its position and gap; any other fails."""
-    identity = summary(verdicts, tokenizer)
+    identity = summary(verdicts)
     assert all(v.passed for v in verdicts), \
         f"greedy output differs from target-only decoding: {identity}"
     return identity

@@ -17,7 +17,7 @@ Anything else is a mismatch: a real failure.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import mlx.core as mx
 import numpy as np
@@ -35,9 +35,10 @@ from ..session import PREFILL_CHUNK
 # default target in float32 on the CPU (sgemv vs sgemm), the top-2 gap moved by up to 9 ulps
 # between the two forwards (40 positions): float32 gets 16. In float16/bfloat16 MLX's kernels
 # accumulate in float32 and round each op's output, so the two paths mostly differ by whole
-# roundings of intermediate outputs, a few ulps of the result: 4. At a logit of 16 to 32 that
-# is 3.8e-5 in float32, 0.0625 in float16 and 0.5 in bfloat16 (whose 8-bit significand cannot
-# tell apart logits closer than 0.125 there).
+# roundings of intermediate outputs, a few ulps of the result: 4 (a judgement: on the CPU the
+# two forwards agree bit for bit in half precision, so only a Mac can measure it). At a logit
+# of 16 to 32 that is 3.8e-5 in float32, 0.0625 in float16 and 0.5 in bfloat16 (whose 8-bit
+# significand cannot tell apart logits closer than 0.125 there).
 TIE_ULPS = {"float32": 16, "float16": 4, "bfloat16": 4}
 EPSILON = {"float32": 2.0**-23, "float16": 2.0**-10, "bfloat16": 2.0**-7}
 END = -1  # the token of a run that ended (end of sequence) where the other went on
@@ -73,6 +74,8 @@ class Identity:
     window_tokens: int = 0
     dtype: str = ""
     tolerance: float = 0.0
+    texts: dict[int, str] = field(default_factory=dict)  # the tokens above, decoded
+
 
     @property
     def passed(self) -> bool:
@@ -81,15 +84,13 @@ class Identity:
     def to_dict(self) -> dict:
         return asdict(self)
 
-    def describe(self, tokenizer=None) -> str:
+    def describe(self) -> str:
         """One line for a report: where, which tokens, the gaps both ways, the tolerance."""
         if self.verdict == "identical":
             return "identical"
 
         def name(t: int) -> str:
-            if t == END:
-                return "<end>"
-            return f"{t} {tokenizer.decode([t])!r}" if tokenizer is not None else str(t)
+            return "<end>" if t == END else f"{t} {self.texts.get(t, '')!r}"
 
         a, w = self.one_token, self.window
         return (f"{self.verdict} at token {self.position}: {name(self.reference_token)} "
@@ -126,8 +127,11 @@ def compare(target: LoadedModel, prompt: Sequence[int], reference: Sequence[int]
     tol = TIE_ULPS[dtype] * ulp(largest, dtype)
     readouts = [_readout(x, r, o) for x in (one, win)]
     tie = all(max(x.reference_below_best, x.other_below_best) <= tol for x in readouts)
+    texts = {t: target.tokenizer.decode([t]) for t in {r, o, *(x.argmax for x in readouts)}
+             if t != END}
     return Identity("tie" if tie else "mismatch", i, r if i < len(reference) else END,
-                    o if i < len(other) else END, *readouts, len(window_ids), dtype, tol)
+                    o if i < len(other) else END, *readouts, len(window_ids), dtype, tol,
+                    texts)
 
 
 def _token(tokens: list[int], i: int, logits: np.ndarray, target: LoadedModel) -> int:
@@ -176,10 +180,10 @@ def _window_logits(target: LoadedModel, before: list[int], window: list[int]) ->
     return logits[0, 0]
 
 
-def summary(results: Sequence[Identity], tokenizer=None) -> str:
+def summary(results: Sequence[Identity]) -> str:
     """For a report: on how many prompts a run was identical, and each tie or mismatch."""
     same = sum(r.verdict == "identical" for r in results)
     head = (f"identical on {same} prompts" if same == len(results)
             else f"identical on {same} of {len(results)} prompts")
-    return "; ".join([head] + [f"prompt {k + 1}: {r.describe(tokenizer)}"
+    return "; ".join([head] + [f"prompt {k + 1}: {r.describe()}"
                                for k, r in enumerate(results) if r.verdict != "identical"])

@@ -75,14 +75,14 @@ def test_a_difference_at_an_exact_tie_is_a_tie(target, reply):
         result = compare(target, prompt, reference, other)
         assert (result.verdict, result.position) == ("tie", at) and result.passed
         assert (result.reference_token, result.other_token) == (taken, best + second - taken)
+        assert result.texts == {t: target.tokenizer.decode([t]) for t in (best, second)}
         assert result.dtype == "float32" and result.window_tokens == 1 + MAX_TOKENS - at
         assert result.tolerance == TIE_ULPS["float32"] * ulp(result.one_token.largest, "float32")
         assert result.tolerance < 1e-4  # float32 on the CPU: tight
         for way in (result.one_token, result.window):
             assert way.argmax == taken and way.runner_up == best + second - taken
             assert way.gap == 0.0 and way.reference_below_best == way.other_below_best == 0.0
-        text = summary([compare(target, prompt, reference, reference), result],
-                       target.tokenizer)
+        text = summary([compare(target, prompt, reference, reference), result])
         assert text.startswith(f"identical on 1 of 2 prompts; prompt 2: tie at token {at}: ")
         assert "top-2 gap 0 one token at a time" in text and f"window of {1 + MAX_TOKENS - at}" \
             in text and "16 ulps of float32" in text
@@ -96,7 +96,7 @@ def test_a_difference_at_an_exact_tie_is_a_tie(target, reply):
         assert not result.passed and result.one_token.other_below_best > result.tolerance
 
     # doctor --selftest's identity checks: the tie passes, stated; the mismatch fails.
-    check = run_check("identity", lambda: identity_check([tied_result], target.tokenizer))
+    check = run_check("identity", lambda: identity_check([tied_result]))
     assert check.status == "ok" and check.detail.startswith(
         f"identical on 0 of 1 prompts; prompt 1: tie at token {at}: ")
     check = run_check("identity", lambda: identity_check([tied_result, result]))
@@ -116,7 +116,7 @@ def test_the_runner_up_of_the_real_target_is_a_mismatch(target, reply):
         assert way.argmax == best and way.runner_up == second
         assert way.gap > 100 * result.tolerance
     assert result.window_tokens == 1 + MAX_TOKENS - AT
-    assert "mismatch at token 3: " in summary([result], target.tokenizer)
+    assert "mismatch at token 3: " in summary([result])
 
 
 def test_a_run_that_ends_early_ends_at_its_difference(target, reply):
@@ -125,7 +125,7 @@ def test_a_run_that_ends_early_ends_at_its_difference(target, reply):
     assert (result.verdict, result.position) == ("mismatch", AT)
     assert (result.reference_token, result.other_token) == (ids[AT], END)
     assert result.window_tokens == 1  # nothing followed: the prefix's last token alone
-    assert "<end>" in result.describe(target.tokenizer)
+    assert "<end>" in result.describe()
 
 
 def test_the_bench_counts_ties_and_mismatches(target, reply, tmp_path):
@@ -167,5 +167,6 @@ def test_the_bench_counts_ties_and_mismatches(target, reply, tmp_path):
     assert "- Mirror-SD (ours): 0/2 generations token-identical, 1 ties, 0 mismatches, " \
         "1 not compared" in md
     assert f"  - q7.1, repeat 1: tie at token {at}: " in md
-    assert f"  - q7.2, repeat 1: mismatch at token {at}: {reference[at]} (target-only) vs " \
-        f"{third}; " in md
+    name = lambda t: f"{t} {target.tokenizer.decode([t])!r}"  # noqa: E731
+    assert f"  - q7.2, repeat 1: mismatch at token {at}: {name(reference[at])} (target-only) " \
+        f"vs {name(third)}; the target's top-2 gap " in md
