@@ -76,7 +76,6 @@ class Identity:
     tolerance: float = 0.0
     texts: dict[int, str] = field(default_factory=dict)  # the tokens above, decoded
 
-
     @property
     def passed(self) -> bool:
         return self.verdict != "mismatch"
