@@ -39,6 +39,7 @@ from ..models.load import LoadedModel
 from ..platform import set_blas_threads
 from ..progress import Progress
 from .contention import measure_contention
+from .identity import Identity, compare
 from .mlx_lm_modes import MLXLMDraft, mlx_lm_steps, tokenizer_wrapper
 from .prompts import BenchPrompt
 
@@ -94,6 +95,9 @@ class Run:
     ttft_s: float
     latency_s: float
     stats: GenerationStats
+    prompt_ids: list[int] = field(default_factory=list)
+    # Greedy runs that differ from AR's: what the difference is (set by `check_identity`).
+    identity: Identity | None = None
 
     @property
     def generated_tokens(self) -> int:
@@ -254,6 +258,7 @@ def run_bench(target: LoadedModel, prompts: list[BenchPrompt], config: BenchConf
             _timed(mode, encoder.encode(warm.turns[0]),
                    min(config.warmup_tokens, config.max_tokens), config.seed)
         runs, timeline = _timing_phase(target, prompts, config, encoder, modes, quiet)
+        check_identity(target, runs, config)
         energy_result = _energy_phase(prompts, config, encoder, modes, energy, quiet)
     finally:
         for mode in modes.values():
@@ -300,11 +305,24 @@ def _timing_phase(target, prompts, config, encoder, modes, quiet):
                         timeline = [(label, a - t0, b - t0) for label, a, b in spans]
                         recorded = True
                     runs.append(Run(name, prompt.question_id, prompt.category, turn, r, tokens,
-                                    first, ttft, latency, stats))
+                                    first, ttft, latency, stats, ids))
                     replies.append(target.tokenizer.decode(tokens, skip_special_tokens=True))
                     progress.advance(1, f"{name} q{prompt.question_id}.{turn + 1}")
     progress.close()
     return runs, timeline
+
+
+def check_identity(target: LoadedModel, runs: list[Run], config: BenchConfig) -> None:
+    """Greedy: each run that differs from AR's run of the same prompt gets its `identity`
+    (tie or mismatch, measure/identity.py). A later turn whose conversation holds an earlier
+    differing reply has another prompt than AR's: nothing to compare it with."""
+    if config.temperature != 0 or "ar" not in config.modes:
+        return
+    ar = {(r.question_id, r.turn, r.repeat): r for r in runs if r.mode == "ar"}
+    for r in runs:
+        ref = ar[(r.question_id, r.turn, r.repeat)]
+        if r.mode != "ar" and r.token_ids != ref.token_ids and r.prompt_ids == ref.prompt_ids:
+            r.identity = compare(target, r.prompt_ids, ref.token_ids, r.token_ids)
 
 
 def _energy_phase(prompts, config, encoder, modes, energy: MeterChoice, quiet):

@@ -13,6 +13,7 @@ from pathlib import Path
 from ..models.load import LoadedModel
 from ..platform import machine_info
 from .harness import BenchResult, Run
+from .identity import first_difference
 
 # Per-generation metrics, summarized as median and min-max.
 METRICS = ("ttft_s", "decode_tokens_per_second", "latency_s", "tokens_per_step", "reuse_rate",
@@ -59,7 +60,10 @@ def _group(runs: list[Run], metrics: list[dict], by) -> dict:
 
 
 def greedy_agreement(result: BenchResult) -> dict:
-    """For greedy runs: how many generations of each mode equal AR's token for token."""
+    """For greedy runs: how many generations of each mode equal AR's token for token, and for
+    each other one its first difference and what that is (measure/identity.py): a tie (the
+    target's own two best tokens there are equal up to rounding), a mismatch (a failure), or
+    not compared (an earlier turn differed, so its prompt is not AR's)."""
     if result.config.temperature != 0 or "ar" not in result.config.modes:
         return {}
     ref = {(r.question_id, r.turn, r.repeat): r.token_ids for r in result.runs if r.mode == "ar"}
@@ -68,16 +72,23 @@ def greedy_agreement(result: BenchResult) -> dict:
         if mode == "ar":
             continue
         mine = [r for r in result.runs if r.mode == mode]
-        same = [r for r in mine if r.token_ids == ref[(r.question_id, r.turn, r.repeat)]]
-        differ = [{"question_id": r.question_id, "turn": r.turn, "repeat": r.repeat,
-                   "at": _first_difference(r.token_ids, ref[(r.question_id, r.turn, r.repeat)])}
-                  for r in mine if r not in same]
-        out[mode] = {"identical": len(same), "total": len(mine), "differ": differ}
+        differ = []
+        for r in mine:
+            want = ref[(r.question_id, r.turn, r.repeat)]
+            if r.token_ids == want:
+                continue
+            verdict = r.identity.verdict if r.identity else "not compared"
+            differ.append({"question_id": r.question_id, "turn": r.turn, "repeat": r.repeat,
+                           "at": first_difference(r.token_ids, want), "verdict": verdict,
+                           "detail": r.identity.describe() if r.identity else
+                           "its prompt holds an earlier reply that differed",
+                           "identity": r.identity.to_dict() if r.identity else None})
+        out[mode] = {"identical": len(mine) - len(differ), "total": len(mine),
+                     "ties": sum(d["verdict"] == "tie" for d in differ),
+                     "mismatches": sum(d["verdict"] == "mismatch" for d in differ),
+                     "not_compared": sum(d["verdict"] == "not compared" for d in differ),
+                     "differ": differ}
     return out
-
-
-def _first_difference(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def energy_summary(result: BenchResult) -> dict:
@@ -179,6 +190,7 @@ def to_json(result: BenchResult, summary: dict, target: LoadedModel, prompts_sou
                   "latency_s": r.latency_s,
                   "decode_tokens_per_second": r.decode_tokens_per_second,
                   "first_step_tokens": r.first_step_tokens, "token_ids": r.token_ids,
+                  "identity": r.identity.to_dict() if r.identity else None,
                   "stats": r.stats.to_dict()} for r in result.runs],
     }
 
@@ -249,11 +261,17 @@ def markdown(doc: dict, plots: dict[str, str]) -> str:
                  for m in c["modes"]]
         lines.append(f"| {qid} | {row['category']} | " + " | ".join(cells) + " |")
     if s["greedy_agreement"]:
-        lines += ["", "## Greedy agreement with AR (ours)", ""]
+        lines += ["", "## Greedy agreement with AR (ours)", "",
+                  "Where a generation differs from AR's, the first difference is a tie if the "
+                  "target's own two best tokens there are equal up to rounding, computed one "
+                  "token at a time and in a window (the tolerance is a few ulps of the compute "
+                  "dtype); anything else is a mismatch: a failure.", ""]
         for mode, a in s["greedy_agreement"].items():
             lines.append(f"- {LABELS[mode]}: {a['identical']}/{a['total']} generations "
-                         "token-identical" + (f"; first differences at {a['differ']}"
-                                              if a["differ"] else ""))
+                         f"token-identical, {a['ties']} ties, {a['mismatches']} mismatches"
+                         + (f", {a['not_compared']} not compared" if a["not_compared"] else ""))
+            lines += [f"  - q{d['question_id']}.{d['turn'] + 1}, repeat {d['repeat'] + 1}: "
+                      f"{d['detail']}" for d in a["differ"]]
     u, sched = s.get("units") or {}, s.get("schedule") or {}
     if u or sched.get("plan_steps"):
         lines += ["", "## Compute units and Mirror-SD's schedule", ""]
