@@ -125,18 +125,30 @@ class Selftest:
         steps = tokens = 0
         hidden = []
         verdicts = []
+        plans: dict[str, int] = {}
         try:
+            inline = engine.drafter.inline
             for prompt, want in zip(self.prompt_ids, self.expected):
                 got = engine.generate(prompt, max_tokens=MAX_TOKENS)
                 verdicts.append(compare(self.target, prompt, want, got.token_ids))
                 steps += got.stats.target_steps
                 tokens += got.stats.committed_tokens
                 hidden.append(got.stats.overlap_fraction)
+                for plan, n in got.stats.plan_steps.items():
+                    plans[plan] = plans.get(plan, 0) + n
+            schedule = got.stats.schedule
         finally:
             engine.close()
-        return (f"{identity_check(verdicts)}; {tokens / steps:.2f} "
-                f"tokens per target step; drafting hidden under the target's forward: "
-                f"{100 * float(np.mean(hidden)):.0f}%")
+        # How the overlap was measured matters as much as its value: an inline drafter runs
+        # on the decoder's thread, so the target's span there is when its dispatched work
+        # completed, seen by a thread that waits on it.
+        how = ("each draft job's own span against the target's, from dispatch to when its "
+               "work completed" + (" (seen by a thread waiting on it while the draft ran on "
+                                   "the decoder's thread)" if inline else ""))
+        return (f"{identity_check(verdicts)}; {tokens / steps:.2f} tokens per target step; "
+                f"steps by plan: {', '.join(f'{k} {v}' for k, v in sorted(plans.items()))}; "
+                f"scheduler: {schedule}; drafting hidden under the target's work: "
+                f"{100 * float(np.mean(hidden)):.0f}% ({how})")
 
     def mirror_mlx_draft(self) -> str:
         return self._mirror(None)
