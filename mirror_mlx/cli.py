@@ -115,7 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address to listen on; anything but 127.0.0.1 exposes the model")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--max-tokens", type=int, default=512,
-                   help="reply length for requests that give no max_tokens")
+                   help="reply length for requests that give no max_tokens, and the most a "
+                        "request may ask for (more: 400)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take, waiting included; then its reply ends "
+                        "(finish_reason length)")
 
     p = sub.add_parser("bench", help="every decoding mode side by side with mlx-lm: speed, "
                                      "energy, JSON + Markdown + plots")
@@ -312,7 +316,8 @@ def cmd_serve(args) -> None:
     from apps.server.app import serve
 
     with _engine(args) as engine:
-        serve(engine, args.host, args.port, max_tokens=args.max_tokens)
+        serve(engine, args.host, args.port, max_tokens=args.max_tokens,
+              request_timeout=args.request_timeout)
 
 
 def cmd_bench(args) -> None:

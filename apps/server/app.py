@@ -7,50 +7,45 @@ its own thread; the Engine queues them in arrival order."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
-import selectors
 import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import chain
 from urllib.parse import urlsplit
 
 from mirror_mlx.api import Engine, EngineClosed, model_name
-from mirror_mlx.errors import InvalidParameter, MirrorError, PromptTooLong
+from mirror_mlx.errors import MirrorError, PromptTooLong
 from mirror_mlx.measure.stats import GenerationStats
 
+from .limits import Limits
 from .request import Request, RequestError, parse
 from .response import Reply, model_card
+from .watch import Stop, watch
 
 log = logging.getLogger(__name__)
 
-MAX_BODY = 1 << 20  # bytes; a long chat fits many times over
-DISCONNECT_POLL_S = 0.1
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
 class Server(ThreadingHTTPServer):
-    """Serves one Engine. `max_queue` bounds the requests running or waiting (beyond it: 429).
-    `server_close()` ends every connection and joins its thread: a thread still winding down
-    MLX while the process exits can abort it."""
+    """Serves one Engine within `limits` (Limits' fields, as keywords). `server_close()` ends
+    every connection and joins its thread: a thread still winding down MLX while the process
+    exits can abort it."""
 
     daemon_threads = False
     block_on_close = True
 
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 8000, *,
-                 model_id: str | None = None, max_tokens: int = 512, max_body: int = MAX_BODY,
-                 max_queue: int = 16):
-        if max_tokens < 1:
-            raise InvalidParameter(f"max-tokens must be at least 1 (got {max_tokens})")
+                 model_id: str | None = None, **limits):
+        self.limits = Limits(**limits)
         self.engine = engine
         self.model_id = model_id or model_name(engine.target)
-        self.max_tokens = max_tokens
-        self.max_body = max_body
-        self.slots = threading.BoundedSemaphore(max_queue)
+        self.slots = threading.BoundedSemaphore(self.limits.max_queue)
         self.created = int(time.time())
         self._connections: set[socket.socket] = set()
         self._connections_lock = threading.Lock()
@@ -78,34 +73,6 @@ class Server(ThreadingHTTPServer):
         return f"http://{host}:{port}/v1"
 
 
-@contextlib.contextmanager
-def watch_disconnect(sock: socket.socket) -> Iterator[threading.Event]:
-    """An event that is set when the client closes its connection, while the request waits
-    for its turn, generates, or streams. A closed socket reads as end-of-file; peeking never
-    consumes a byte. A client that sends more (a pipelined request) is there: stop watching."""
-    gone, done = threading.Event(), threading.Event()
-
-    def watch():
-        with selectors.DefaultSelector() as selector:
-            selector.register(sock, selectors.EVENT_READ)
-            while not done.is_set():
-                if selector.select(DISCONNECT_POLL_S):
-                    try:
-                        if not sock.recv(1, socket.MSG_PEEK):
-                            gone.set()
-                    except OSError:
-                        gone.set()
-                    return
-
-    watcher = threading.Thread(target=watch, name="disconnect-watch", daemon=True)
-    watcher.start()
-    try:
-        yield gone
-    finally:
-        done.set()
-        watcher.join()
-
-
 class Handler(BaseHTTPRequestHandler):
     server: Server
     protocol_version = "HTTP/1.1"
@@ -123,6 +90,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         self._replied = False
+        self._started = time.monotonic()
         super().handle_one_request()
 
     def log_message(self, format, *args) -> None:
@@ -151,7 +119,7 @@ class Handler(BaseHTTPRequestHandler):
             if path not in ROUTES:
                 self.close_connection = True  # the body stays unread
                 raise RequestError(404, f"no route POST {path}", code="not_found")
-            request = parse(ROUTES[path], self._body())
+            request = parse(ROUTES[path], self._body(), self.server.limits.max_tokens)
             if not self.server.slots.acquire(blocking=False):
                 raise RequestError(429, "too many requests are waiting; try again later",
                                    type="server_busy")
@@ -176,10 +144,10 @@ class Handler(BaseHTTPRequestHandler):
         if length is None or not length.isdigit():
             self.close_connection = True
             raise RequestError(411, "a Content-Length header is required")
-        if int(length) > self.server.max_body:
+        if int(length) > self.server.limits.max_body:
             self.close_connection = True
             raise RequestError(413, f"the body is {length} bytes; the limit is "
-                               f"{self.server.max_body}", code="request_too_large")
+                               f"{self.server.limits.max_body}", code="request_too_large")
         raw = self.rfile.read(int(length))
         try:
             return json.loads(raw)
@@ -189,12 +157,13 @@ class Handler(BaseHTTPRequestHandler):
     # ---- generation
     def _generate(self, request: Request) -> None:
         engine = self.server.engine
-        with watch_disconnect(self.connection) as gone:
+        deadline = self._started + self.server.limits.request_timeout
+        with watch(self.connection, deadline) as stop:
             try:
-                stream = engine.stream(request.prompt, chat_template=request.kind == "chat",
-                                       max_tokens=request.max_tokens or self.server.max_tokens,
-                                       sampling=request.sampling, stop=request.stop,
-                                       cancel=gone)
+                stream = _ended(engine.stream(
+                    request.prompt, chat_template=request.kind == "chat",
+                    max_tokens=request.max_tokens, sampling=request.sampling, stop=request.stop,
+                    cancel=stop.event), stop)
                 # The first chunk comes after the turn and the prefill: a bad prompt still gets
                 # a plain JSON error, before any event is sent.
                 first = next(stream)
@@ -208,7 +177,7 @@ class Handler(BaseHTTPRequestHandler):
             reply = Reply(request, self.server.model_id)
             with contextlib.closing(stream):
                 if request.stream:
-                    self._stream(reply, first, stream, gone)
+                    self._stream(reply, first, stream, stop)
                 else:
                     self._whole(reply, first, stream)
 
@@ -228,7 +197,7 @@ class Handler(BaseHTTPRequestHandler):
         with contextlib.suppress(OSError):  # the client may be gone
             self._json(200, reply.whole("".join(text), stats))
 
-    def _stream(self, reply: Reply, first, stream, gone: threading.Event) -> None:
+    def _stream(self, reply: Reply, first, stream, stop: Stop) -> None:
         """Server-sent events; a failed write means the client left: stop generating."""
         self._replied = True
         self.send_response(200)
@@ -250,8 +219,8 @@ class Handler(BaseHTTPRequestHandler):
                         self._event(reply.usage_chunk(chunk.stats))
                     self.wfile.write(b"data: [DONE]\n\n")
         except OSError:  # BrokenPipe, ConnectionReset: the client is gone
-            gone.set()
-            for chunk in stream:  # ends within a step, now that `gone` is set
+            stop.set("gone")
+            for chunk in stream:  # ends within a step, now that `stop` is set
                 if chunk.stats:
                     self._finished(reply, chunk.stats)
 
@@ -272,6 +241,18 @@ class Handler(BaseHTTPRequestHandler):
         if e.status >= 500 or e.status == 429:
             log.warning("%s %s: %s", self.command, self.path, e.message)
         self._json(e.status, e.body())
+
+
+def _ended(stream, stop: Stop):
+    """The engine's chunks, the last one's finish reason naming why the server stopped it (a
+    timeout, a shutdown) where that was not its client leaving."""
+    with contextlib.closing(stream):
+        for chunk in stream:
+            if chunk.stats and chunk.stats.finish_reason == "cancelled" and \
+                    stop.reason not in (None, "gone"):
+                chunk = dataclasses.replace(chunk, stats=dataclasses.replace(
+                    chunk.stats, finish_reason=stop.reason))
+            yield chunk
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, **options) -> None:

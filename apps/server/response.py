@@ -10,8 +10,11 @@ from mirror_mlx.measure.stats import GenerationStats
 
 from .request import Request
 
-# The session's reasons -> OpenAI's: running out of context is a length limit to a client.
-_FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "cancelled"}
+# The session's and the server's reasons -> OpenAI's: running out of context or of the
+# request's time is a length limit to a client; a server stopping or a client that stopped
+# reading ("behind") cancels.
+_FINISH = {"stop": "stop", "length": "length", "context": "length", "timeout": "length",
+           "cancelled": "cancelled", "shutdown": "cancelled", "behind": "cancelled"}
 
 
 class Reply:

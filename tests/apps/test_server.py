@@ -2,6 +2,7 @@
 raw HTTP client: replies equal the Engine's, malformed requests get 4xx errors, a client that
 leaves cancels its generation, concurrent clients are served one after another."""
 
+import contextlib
 import http.client
 import json
 import logging
@@ -31,14 +32,27 @@ def start(engine: Engine, **options) -> Server:
     return server
 
 
+@contextlib.contextmanager
+def serving(engine: Engine, **options):
+    """A server of its own, with `options` (short limits for a test), on a shared engine."""
+    server = start(engine, **options)
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture(scope="module")
-def server(target):
-    engine = Engine(target, context=CONTEXT)
-    server = start(engine)
-    yield server
-    server.shutdown()
-    server.server_close()
-    engine.close()
+def engine(target):
+    with Engine(target, context=CONTEXT) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with serving(engine) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +64,8 @@ def raw(server: Server, method: str, path: str, body=None, headers=None):
     """One request with http.client; returns (status, decoded JSON body)."""
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    conn.request(method, path, body=data, headers=headers or {})
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json",
+                                                   **(headers or {})})
     response = conn.getresponse()
     out = response.status, json.loads(response.read())
     conn.close()
@@ -188,7 +203,7 @@ def test_malformed_http(server, client):
     # By hand: http.client always sends a Content-Length. The size limit is judged from the
     # header, before a byte of the body is read.
     for headers, status in ((b"", b"411"),
-                            (b"Content-Length: %d\r\n" % (server.max_body + 1), b"413")):
+                            (b"Content-Length: %d\r\n" % (server.limits.max_body + 1), b"413")):
         with socket.create_connection(server.server_address[:2], timeout=30) as sock:
             sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + headers +
                          b"\r\n")
@@ -205,6 +220,32 @@ def _request_bytes(server: Server, body: dict) -> bytes:
     data = json.dumps(body).encode()
     return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
             b"\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+
+
+def test_max_tokens_is_a_ceiling(engine):
+    with serving(engine, max_tokens=4) as server:
+        status, reply = raw(server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 5})
+        assert status == 400 and reply["error"]["param"] == "max_tokens", reply
+        assert "at most 4" in reply["error"]["message"]
+        status, reply = raw(server, "POST", "/v1/chat/completions",
+                            {"messages": CHAT, "max_completion_tokens": 5})
+        assert status == 400 and reply["error"]["param"] == "max_completion_tokens", reply
+        status, reply = raw(server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 4})
+        assert status == 200 and reply["usage"]["completion_tokens"] <= 4
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streaming"])
+def test_request_timeout_ends_the_reply(engine, stream):
+    """Past --request-timeout the generation stops; the client gets what was generated, with
+    finish_reason "length" (mirror_stats says "timeout")."""
+    with serving(engine, request_timeout=0.5) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+        reply = client.completions.create(model="m", prompt="A long essay about rivers:",
+                                          max_tokens=500, temperature=0, stream=stream)
+        last = list(reply)[-1] if stream else reply
+    assert last.choices[0].finish_reason == "length"
+    assert last.mirror_stats["finish_reason"] == "timeout"
+    assert last.mirror_stats["generated_tokens"] < 500
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "waiting"])
@@ -257,22 +298,17 @@ def test_concurrent_clients_are_queued(server, target, caplog):
     assert len(finished(caplog)) == len(prompts)
 
 
-def test_queue_limit_gives_429(target):
-    with Engine(target) as engine:
-        server = start(engine, max_queue=1)
-        try:
-            holder = threading.Thread(target=lambda: raw(server, "POST", "/v1/completions", {
-                "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0}))
-            holder.start()
-            while not engine.busy:
-                time.sleep(0.01)
-            status, reply = raw(server, "POST", "/v1/completions", {"prompt": "Hi"})
-            assert status == 429 and "try again" in reply["error"]["message"]
-            engine.cancel()
-            holder.join(timeout=30)
-        finally:
-            server.shutdown()
-            server.server_close()
+def test_queue_limit_gives_429(engine):
+    with serving(engine, max_queue=1) as server:
+        holder = threading.Thread(target=lambda: raw(server, "POST", "/v1/completions", {
+            "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0}))
+        holder.start()
+        while not engine.busy:
+            time.sleep(0.01)
+        status, reply = raw(server, "POST", "/v1/completions", {"prompt": "Hi"})
+        assert status == 429 and "try again" in reply["error"]["message"]
+        engine.cancel()
+        holder.join(timeout=30)
 
 
 def test_serve_command(default_gguf):
