@@ -120,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take, waiting included; then its reply ends "
                         "(finish_reason length)")
+    p.add_argument("--max-connections", type=int, default=64,
+                   help="open connections; more get 503 and are closed")
 
     p = sub.add_parser("bench", help="every decoding mode side by side with mlx-lm: speed, "
                                      "energy, JSON + Markdown + plots")
@@ -317,7 +319,7 @@ def cmd_serve(args) -> None:
 
     with _engine(args) as engine:
         serve(engine, args.host, args.port, max_tokens=args.max_tokens,
-              request_timeout=args.request_timeout)
+              request_timeout=args.request_timeout, max_connections=args.max_connections)
 
 
 def cmd_bench(args) -> None:

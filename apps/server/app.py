@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
+import io
 import json
 import logging
 import socket
 import sys
 import threading
 import time
+from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import chain
 from urllib.parse import urlsplit
@@ -23,6 +26,7 @@ from mirror_mlx.errors import MirrorError, PromptTooLong
 from mirror_mlx.measure.stats import GenerationStats
 
 from .limits import Limits
+from .reading import DeadlineReader
 from .request import Request, RequestError, parse
 from .response import Reply, model_card
 from .watch import Stop, watch
@@ -39,6 +43,7 @@ class Server(ThreadingHTTPServer):
 
     daemon_threads = False
     block_on_close = True
+    request_queue_size = 128  # connections the kernel holds before accept (the default: 5)
 
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 8000, *,
                  model_id: str | None = None, **limits):
@@ -46,6 +51,7 @@ class Server(ThreadingHTTPServer):
         self.engine = engine
         self.model_id = model_id or model_name(engine.target)
         self.slots = threading.BoundedSemaphore(self.limits.max_queue)
+        self.open_slots = threading.BoundedSemaphore(self.limits.max_connections)
         self.created = int(time.time())
         self._connections: set[socket.socket] = set()
         self._connections_lock = threading.Lock()
@@ -57,6 +63,37 @@ class Server(ThreadingHTTPServer):
                 self._connections.add(sock)
             else:
                 self._connections.discard(sock)
+
+    def get_request(self):
+        try:
+            return super().get_request()
+        except OSError as e:
+            if e.errno in (errno.EMFILE, errno.ENFILE):
+                # Out of descriptors: the listening socket stays readable, so returning at
+                # once would spin the accept loop. Wait for a connection to end.
+                log.warning("out of file descriptors: not accepting for a moment")
+                time.sleep(0.1)
+            raise
+
+    def process_request(self, request, client_address) -> None:
+        """One thread per connection, at most `max_connections`; beyond: 503, closed."""
+        if not self.open_slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.setblocking(False)
+                request.send(_BUSY)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.open_slots.release()
+            raise
+
+    def process_request_thread(self, request, client_address) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.open_slots.release()
 
     def server_close(self) -> None:
         self.engine.cancel()
@@ -73,15 +110,28 @@ class Server(ThreadingHTTPServer):
         return f"http://{host}:{port}/v1"
 
 
+def _plain(status: int, reason: str, body: dict) -> bytes:
+    data = json.dumps(body).encode()
+    return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data
+
+
+_BUSY = _plain(503, "Service Unavailable", RequestError(
+    503, "too many open connections; try again later", type="server_busy").body())
+
+
 class Handler(BaseHTTPRequestHandler):
     server: Server
     protocol_version = "HTTP/1.1"
-    timeout = 120  # seconds a connection may stay silent (mid-request or idle keep-alive)
 
     _replied = False  # a status line went out for the current request
+    _served = 0  # requests answered on this connection
 
     def setup(self) -> None:
         super().setup()
+        # Reads go through one deadline per request (reading.py); writes have their own.
+        self._reader = DeadlineReader(self.connection)
+        self.rfile = io.BufferedReader(self._reader)
         self.server.track(self.connection, True)
 
     def finish(self) -> None:
@@ -90,8 +140,32 @@ class Handler(BaseHTTPRequestHandler):
 
     def handle_one_request(self) -> None:
         self._replied = False
-        self._started = time.monotonic()
+        limits = self.server.limits
+        # A new connection's first request may take as long as reading one does; later ones
+        # keep an idle connection open only briefly.
+        self._reader.expect(limits.keep_alive if self._served else limits.read_timeout,
+                            limits.read_timeout)
         super().handle_one_request()
+        self._served += 1
+
+    @property
+    def _started(self) -> float:
+        """When the request's first byte came (its time budget counts from there)."""
+        return self._reader.began or time.monotonic()
+
+    def parse_request(self) -> bool:
+        try:
+            return super().parse_request()
+        except TimeoutError:
+            self._timed_out("headers")
+            return False
+
+    def _timed_out(self, what: str) -> None:
+        self.close_connection = True
+        with contextlib.suppress(OSError):
+            self._error(RequestError(408, f"the request's {what} did not arrive within "
+                                     f"{self.server.limits.read_timeout:g} s",
+                                     code="request_timeout"))
 
     def log_message(self, format, *args) -> None:
         log.debug("%s %s", self.address_string(), format % args)
@@ -129,6 +203,8 @@ class Handler(BaseHTTPRequestHandler):
                 self.server.slots.release()
         except RequestError as e:
             self._error(e)
+        except _Answered:
+            pass
         except Exception:
             log.exception("%s %s failed", self.command, self.path)
             self.close_connection = True
@@ -148,7 +224,14 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             raise RequestError(413, f"the body is {length} bytes; the limit is "
                                f"{self.server.limits.max_body}", code="request_too_large")
-        raw = self.rfile.read(int(length))
+        try:
+            raw = self.rfile.read(int(length))
+        except TimeoutError:
+            self._timed_out("body")
+            raise _Answered() from None
+        if len(raw) < int(length):
+            self.close_connection = True
+            raise RequestError(400, f"the body ended after {len(raw)} of its {length} bytes")
         try:
             return json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -199,8 +282,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _stream(self, reply: Reply, first, stream, stop: Stop) -> None:
         """Server-sent events; a failed write means the client left: stop generating."""
-        self._replied = True
-        self.send_response(200)
+        self._begin(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
         self.send_header("Connection", "close")  # the stream's end is the connection's end
@@ -228,19 +310,34 @@ class Handler(BaseHTTPRequestHandler):
         self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
 
     # ---- plain replies
+    def _begin(self, status: int) -> None:
+        """The status line of the reply; from here on, writes have write_timeout each."""
+        self._replied = True
+        self.connection.settimeout(self.server.limits.write_timeout)
+        self.send_response(status)
+
     def _json(self, status: int, obj: dict) -> None:
         data = json.dumps(obj).encode()
-        self._replied = True
-        self.send_response(status)
+        self._begin(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
 
+    def send_error(self, code: int, message: str | None = None, explain=None) -> None:
+        """The standard library's errors (a malformed request line, an unknown method), in
+        the same JSON shape as ours."""
+        self.close_connection = True
+        self._error(RequestError(code, message or HTTPStatus(code).phrase))
+
     def _error(self, e: RequestError) -> None:
         if e.status >= 500 or e.status == 429:
             log.warning("%s %s: %s", self.command, self.path, e.message)
         self._json(e.status, e.body())
+
+
+class _Answered(Exception):
+    """The request was answered already (e.g. a 408): nothing more to send."""
 
 
 def _ended(stream, stop: Stop):

@@ -7,6 +7,7 @@ import http.client
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -246,6 +247,79 @@ def test_request_timeout_ends_the_reply(engine, stream):
     assert last.choices[0].finish_reason == "length"
     assert last.mirror_stats["finish_reason"] == "timeout"
     assert last.mirror_stats["generated_tokens"] < 500
+
+
+def _read_all(sock: socket.socket, timeout: float = 5) -> bytes:
+    """Everything the server sends until it closes the connection (or `timeout` passes)."""
+    sock.settimeout(timeout)
+    out = b""
+    with contextlib.suppress(TimeoutError, ConnectionResetError):
+        while data := sock.recv(65536):
+            out += data
+    return out
+
+
+def test_connections_are_capped(engine):
+    with serving(engine, max_connections=2) as server:
+        address = server.server_address[:2]
+        idle = [socket.create_connection(address, timeout=5) for _ in range(2)]
+        with socket.create_connection(address, timeout=5) as third:
+            assert _read_all(third).startswith(b"HTTP/1.1 503")
+        idle[0].close()  # frees a slot once its thread sees the close
+        deadline = time.monotonic() + 10
+        while raw_status(server) != 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert raw_status(server) == 200
+        idle[1].close()
+
+
+def raw_status(server: Server) -> int:
+    with socket.create_connection(server.server_address[:2], timeout=5) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        return int(_read_all(sock)[9:12] or 0)
+
+
+def test_listen_backlog_holds_a_burst(engine):
+    """Connections beyond the kernel's backlog wait for a SYN retry (a second or more); 5, the
+    standard library's default, is too few for a burst of clients."""
+    server = Server(engine, "127.0.0.1", 0)  # listening, not accepting yet
+    try:
+        socks = [socket.create_connection(server.server_address[:2], timeout=0.5)
+                 for _ in range(20)]
+        for sock in socks:
+            sock.close()
+    finally:
+        server.server_close()
+
+
+def test_one_deadline_for_headers_and_body(engine, caplog):
+    """Headers trickled a byte at a time, each in time for a per-read timeout, and a body
+    shorter than its Content-Length both get 408 once read_timeout has passed."""
+    with serving(engine, read_timeout=0.5) as server:
+        address = server.server_address[:2]
+        with socket.create_connection(address, timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+            start = time.monotonic()
+            for byte in b"Host: 127.0.0.1\r\nX-Slow: " + b"a" * 50:
+                if select.select([sock], [], [], 0.1)[0]:
+                    break
+                sock.sendall(bytes([byte]))
+            assert _read_all(sock).startswith(b"HTTP/1.1 408")
+            assert time.monotonic() - start < 3
+        with socket.create_connection(address, timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+            assert _read_all(sock).startswith(b"HTTP/1.1 408")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_idle_keep_alive_is_short(engine):
+    with serving(engine, keep_alive=0.3) as server:
+        with socket.create_connection(server.server_address[:2], timeout=5) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            start = time.monotonic()
+            assert _read_all(sock).startswith(b"HTTP/1.1 200")  # then closed by the server
+            assert time.monotonic() - start < 3
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["streaming", "waiting"])
