@@ -131,6 +131,7 @@ class Handler(BaseHTTPRequestHandler):
         super().setup()
         # Reads go through one deadline per request (reading.py); writes have their own.
         self._reader = DeadlineReader(self.connection)
+        self._sending = threading.Lock()  # the reply's start vs the watcher's probe
         self.rfile = io.BufferedReader(self._reader)
         self.server.track(self.connection, True)
 
@@ -232,6 +233,7 @@ class Handler(BaseHTTPRequestHandler):
         if len(raw) < int(length):
             self.close_connection = True
             raise RequestError(400, f"the body ended after {len(raw)} of its {length} bytes")
+        self.connection.settimeout(self.server.limits.write_timeout)  # for the watcher's probe
         try:
             return json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -241,7 +243,7 @@ class Handler(BaseHTTPRequestHandler):
     def _generate(self, request: Request) -> None:
         engine = self.server.engine
         deadline = self._started + self.server.limits.request_timeout
-        with watch(self.connection, deadline) as stop:
+        with watch(self.connection, deadline, self._probe, self.server.limits.max_body) as stop:
             try:
                 stream = _ended(engine.stream(
                     request.prompt, chat_template=request.kind == "chat",
@@ -263,6 +265,22 @@ class Handler(BaseHTTPRequestHandler):
                     self._stream(reply, first, stream, stop)
                 else:
                     self._whole(reply, first, stream)
+        if stop.extra:
+            self.close_connection = True  # dropped bytes: what follows is out of step
+
+    def _probe(self) -> bool:
+        """Sends an interim `100 Continue` while the reply has not begun (HTTP/1.1 clients
+        skip any number of them): a client that closed answers it with a reset, one that only
+        half-closed takes no harm. False when it cannot be sent."""
+        if self.request_version != "HTTP/1.1":
+            return False
+        with self._sending:
+            if not self._replied:
+                try:
+                    self.wfile.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+                except OSError:
+                    return False
+        return True
 
     def _finished(self, reply: Reply, stats: GenerationStats) -> None:
         """The request log's line, written when the generation ends (before the reply's end
@@ -312,7 +330,8 @@ class Handler(BaseHTTPRequestHandler):
     # ---- plain replies
     def _begin(self, status: int) -> None:
         """The status line of the reply; from here on, writes have write_timeout each."""
-        self._replied = True
+        with self._sending:  # after a probe that is under way, never amid one
+            self._replied = True
         self.connection.settimeout(self.server.limits.write_timeout)
         self.send_response(status)
 

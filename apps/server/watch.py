@@ -9,7 +9,7 @@ import selectors
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 POLL_S = 0.1
 
@@ -22,6 +22,7 @@ class Stop:
     def __init__(self):
         self.event = threading.Event()
         self.reason: str | None = None
+        self.extra = 0  # bytes the client sent after its request
         self._lock = threading.Lock()
 
     def set(self, reason: str) -> None:
@@ -32,30 +33,49 @@ class Stop:
 
 
 @contextlib.contextmanager
-def watch(sock: socket.socket, deadline: float) -> Iterator[Stop]:
-    """A Stop set when the client closes its connection or `deadline` (time.monotonic())
-    passes. A closed socket reads as end-of-file; peeking never consumes a byte. A client that
-    sends more (a pipelined request) is there: stop watching the socket, keep the clock."""
+def watch(sock: socket.socket, deadline: float, probe: Callable[[], bool],
+          max_extra: int) -> Iterator[Stop]:
+    """A Stop set when the client leaves or `deadline` (time.monotonic()) passes.
+
+    Bytes the client sends after its request (pipelining, or noise) are read and dropped, so
+    that a hang-up behind them still shows; `stop.extra` counts them (the connection is closed
+    after the reply, its stream no longer in step), and more than `max_extra` count as gone.
+
+    End-of-file means the client closed, or only shut its sending side and still waits for the
+    reply: TCP cannot tell these apart without sending. `probe()` sends something harmless (an
+    interim response) or returns False when it cannot; a closed client's kernel answers with a
+    reset, which the socket's pending error (SO_ERROR) then shows."""
     stop, done = Stop(), threading.Event()
 
     def run():
         with selectors.DefaultSelector() as selector:
             selector.register(sock, selectors.EVENT_READ)
-            watching = True
+            ended = False  # end-of-file seen: from here on the socket reads as ready forever
             while not done.is_set():
                 left = deadline - time.monotonic()
                 if left <= 0:
                     stop.set("timeout")
                     return
-                if not watching:
+                if ended:
                     done.wait(min(left, POLL_S))
+                    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                        stop.set("gone")
+                        return
                 elif selector.select(min(left, POLL_S)):
                     try:
-                        if not sock.recv(1, socket.MSG_PEEK):
-                            stop.set("gone")
+                        data = sock.recv(1 << 16)
                     except OSError:
                         stop.set("gone")
-                    watching = False
+                        return
+                    stop.extra += len(data)
+                    if stop.extra > max_extra:
+                        stop.set("gone")
+                        return
+                    if not data:
+                        ended = True
+                        if not probe():
+                            stop.set("gone")
+                            return
 
     watcher = threading.Thread(target=run, name="request-watch", daemon=True)
     watcher.start()

@@ -322,8 +322,11 @@ def test_idle_keep_alive_is_short(engine):
             assert time.monotonic() - start < 3
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "waiting"])
-def test_client_disconnect_cancels(server, caplog, stream):
+@pytest.mark.parametrize("stream,extra", [(True, b""), (False, b""), (False, b"x")],
+                         ids=["streaming", "waiting", "waiting-after-an-extra-byte"])
+def test_client_disconnect_cancels(server, caplog, stream, extra):
+    """A client that closes its connection cancels its generation, also when it sent a byte
+    more than its request first."""
     caplog.set_level(logging.INFO, logger="apps.server.app")
     engine = server.engine
     body = {"messages": [{"role": "user", "content": "Write a long essay about rivers."}],
@@ -340,12 +343,49 @@ def test_client_disconnect_cancels(server, caplog, stream):
         while not engine.busy and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.3)
+    sock.sendall(extra)  # after the body was read: beside the request, not in its buffer
+    time.sleep(0.2)
     sock.close()
     [line] = finished(caplog)
     assert line.endswith("finish cancelled"), line
     generated = int(line.split(" generated,")[0].split()[-1])
     assert generated < 100
     assert not engine.busy
+
+
+def test_extra_bytes_close_the_connection(server):
+    """Bytes after a request are dropped, so the connection closes after the reply instead of
+    reading them as a request."""
+    with socket.create_connection(server.server_address[:2], timeout=60) as sock:
+        sock.sendall(_request_bytes(server, {"messages": CHAT, "max_tokens": 30}))
+        deadline = time.monotonic() + 30
+        while not server.engine.busy and time.monotonic() < deadline:
+            time.sleep(0.005)  # the body is read: what comes next is beside the request
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        replies = _read_all(sock, 60)
+    assert replies.startswith(b"HTTP/1.1 200") and replies.count(b"HTTP/1.1 ") == 1, replies
+
+
+def test_half_closed_client_gets_its_reply(server):
+    """A client that shuts its sending side after the request still waits for the reply."""
+    with socket.create_connection(server.server_address[:2], timeout=60) as sock:
+        sock.sendall(_request_bytes(server, {"messages": CHAT, "max_tokens": 3,
+                                             "temperature": 0, "stream": True}))
+        sock.shutdown(socket.SHUT_WR)
+        replies = _read_all(sock, 60)
+    final = replies[replies.rindex(b"HTTP/1.1 "):]  # after any interim 100 Continue
+    assert final.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in final, replies
+    assert b'"finish_reason": "length"' in final
+
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 3}),
+                 {"Content-Type": "application/json"})
+    conn.sock.shutdown(socket.SHUT_WR)
+    response = conn.getresponse()  # http.client skips the interim 100s
+    reply = json.loads(response.read())
+    conn.close()
+    assert response.status == 200 and reply["choices"][0]["finish_reason"] == "length"
+    assert reply["choices"][0]["text"]
 
 
 def test_concurrent_clients_are_queued(server, target, caplog):
