@@ -264,9 +264,14 @@ class Handler(BaseHTTPRequestHandler):
                 if request.stream:
                     self._stream(reply, first, stream, stop)
                 else:
-                    self._whole(reply, first, stream)
+                    whole = self._whole(reply, first, stream)
         if stop.extra:
             self.close_connection = True  # dropped bytes: what follows is out of step
+        if not request.stream:
+            # Sent once the watcher has stopped: it would take the client's next request
+            # for bytes beside this one.
+            with contextlib.suppress(OSError):  # the client may be gone
+                self._json(200, whole)
 
     def _probe(self) -> bool:
         """Sends an interim `100 Continue` while the reply has not begun (HTTP/1.1 clients
@@ -289,14 +294,13 @@ class Handler(BaseHTTPRequestHandler):
                  reply.id, reply.request.kind, stats.prompt_tokens, stats.generated_tokens,
                  stats.tokens_per_second, stats.acceptance_length, stats.finish_reason)
 
-    def _whole(self, reply: Reply, first, stream) -> None:
+    def _whole(self, reply: Reply, first, stream) -> dict:
         text, stats = [first.text], first.stats
         for chunk in stream:
             text.append(chunk.text)
             stats = chunk.stats or stats
         self._finished(reply, stats)
-        with contextlib.suppress(OSError):  # the client may be gone
-            self._json(200, reply.whole("".join(text), stats))
+        return reply.whole("".join(text), stats)
 
     def _stream(self, reply: Reply, first, stream, stop: Stop) -> None:
         """Server-sent events; a failed write means the client left: stop generating."""

@@ -15,7 +15,9 @@ class Limits:
     max_connections: int = 64  # open connections (beyond: 503 and closed at once)
     request_timeout: float = 600.0  # s from a request's first byte to its reply's end
     read_timeout: float = 30.0  # s for a request's headers and body, together
-    keep_alive: float = 5.0  # s an idle connection stays open between requests
+    # s an idle connection stays open between requests: longer than clients keep theirs
+    # (httpx, so the openai package: 5 s), or a client may send on a connection being closed
+    keep_alive: float = 15.0
     write_timeout: float = 30.0  # s a client may stall a reply it does not read
     stream_buffer: int = 1 << 20  # bytes of events a streaming client may fall behind
 
