@@ -22,9 +22,10 @@ from itertools import chain
 from urllib.parse import urlsplit
 
 from mirror_mlx.api import Engine, EngineClosed, model_name
-from mirror_mlx.errors import MirrorError, PromptTooLong
+from mirror_mlx.errors import InvalidParameter, MirrorError, PromptTooLong
 from mirror_mlx.measure.stats import GenerationStats
 
+from .guard import PREFLIGHT_HEADERS, Access, check_host, check_key, check_origin, is_loopback
 from .limits import Limits
 from .reading import DeadlineReader
 from .request import Request, RequestError, parse
@@ -37,17 +38,25 @@ ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
 class Server(ThreadingHTTPServer):
-    """Serves one Engine within `limits` (Limits' fields, as keywords). `server_close()` ends
-    every connection and joins its thread: a thread still winding down MLX while the process
-    exits can abort it."""
+    """Serves one Engine within `limits` (Limits' fields, as keywords) to the clients `access`
+    lets in (Access's fields, as keywords). Listening beyond loopback takes an API key or
+    `allow_no_auth`. `server_close()` ends every connection and joins its thread: a thread
+    still winding down MLX while the process exits can abort it."""
 
     daemon_threads = False
     block_on_close = True
     request_queue_size = 128  # connections the kernel holds before accept (the default: 5)
 
     def __init__(self, engine: Engine, host: str = "127.0.0.1", port: int = 8000, *,
-                 model_id: str | None = None, **limits):
+                 model_id: str | None = None, api_key: str | None = None,
+                 allow_no_auth: bool = False, allowed_hosts: tuple[str, ...] = (),
+                 cors_origins: tuple[str, ...] = (), **limits):
         self.limits = Limits(**limits)
+        if api_key is not None and not api_key.strip():
+            raise InvalidParameter("the API key is empty")
+        self.access = Access(api_key, tuple(h.lower() for h in allowed_hosts),
+                             tuple(cors_origins))
+        self.bound_host = host
         self.engine = engine
         self.model_id = model_id or model_name(engine.target)
         self.slots = threading.BoundedSemaphore(self.limits.max_queue)
@@ -56,6 +65,11 @@ class Server(ThreadingHTTPServer):
         self._connections: set[socket.socket] = set()
         self._connections_lock = threading.Lock()
         super().__init__((host, port), Handler)
+        if not (api_key or allow_no_auth or is_loopback(self.server_address[0])):
+            self.socket.close()
+            raise InvalidParameter(
+                f"{host} is reachable from other machines: give an API key (--api-key or "
+                "MIRROR_MLX_API_KEY), or --allow-no-auth to serve anyone who can connect")
 
     def track(self, sock: socket.socket, is_open: bool) -> None:
         with self._connections_lock:
@@ -125,6 +139,7 @@ class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     _replied = False  # a status line went out for the current request
+    _cors: str | None = None  # the origin the reply's CORS headers allow
     _served = 0  # requests answered on this connection
 
     def setup(self) -> None:
@@ -140,7 +155,7 @@ class Handler(BaseHTTPRequestHandler):
         super().finish()
 
     def handle_one_request(self) -> None:
-        self._replied = False
+        self._replied, self._cors = False, None
         limits = self.server.limits
         # A new connection's first request may take as long as reading one does; later ones
         # keep an idle connection open only briefly.
@@ -172,7 +187,36 @@ class Handler(BaseHTTPRequestHandler):
         log.debug("%s %s", self.address_string(), format % args)
 
     # ---- routes
+    def _admit(self) -> bool:
+        """The Host, Origin and API key checks (guard.py); False once a refusal is sent."""
+        try:
+            check_host(self.headers, self.server.access, self.server.bound_host)
+            self._cors = check_origin(self.headers, self.server.access)
+            check_key(self.headers, self.server.access)
+        except RequestError as e:
+            self.close_connection = True  # a body stays unread
+            self._error(e)
+            return False
+        return True
+
+    def do_OPTIONS(self) -> None:
+        """A browser's CORS preflight (it carries no API key): allowed origins only."""
+        try:
+            check_host(self.headers, self.server.access, self.server.bound_host)
+            self._cors = check_origin(self.headers, self.server.access)
+        except RequestError as e:
+            self.close_connection = True
+            self._error(e)
+            return
+        self._begin(204)
+        for name, value in PREFLIGHT_HEADERS.items():
+            self.send_header(name, value)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     def do_GET(self) -> None:
+        if not self._admit():
+            return
         path = urlsplit(self.path).path.rstrip("/")
         if path == "/v1/models":
             self._json(200, {"object": "list",
@@ -189,11 +233,18 @@ class Handler(BaseHTTPRequestHandler):
             self._error(RequestError(404, f"no route GET {path}", code="not_found"))
 
     def do_POST(self) -> None:
+        if not self._admit():
+            return
         path = urlsplit(self.path).path.rstrip("/")
         try:
             if path not in ROUTES:
                 self.close_connection = True  # the body stays unread
                 raise RequestError(404, f"no route POST {path}", code="not_found")
+            if self.headers.get_content_type() != "application/json":
+                # A web page can send text/plain anywhere without asking (no preflight).
+                self.close_connection = True
+                raise RequestError(415, "send the body as JSON with Content-Type: "
+                                   "application/json", code="unsupported_media_type")
             request = parse(ROUTES[path], self._body(), self.server.limits.max_tokens)
             if not self.server.slots.acquire(blocking=False):
                 raise RequestError(429, "too many requests are waiting; try again later",
@@ -304,12 +355,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def _stream(self, reply: Reply, first, stream, stop: Stop) -> None:
         """Server-sent events; a failed write means the client left: stop generating."""
+        self.close_connection = True  # the stream's end is the connection's end
         self._begin(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.send_header("Connection", "close")  # the stream's end is the connection's end
         self.end_headers()
-        self.close_connection = True
         try:
             if reply.request.kind == "chat":
                 self._event(reply.chunk(""))
@@ -338,6 +388,12 @@ class Handler(BaseHTTPRequestHandler):
             self._replied = True
         self.connection.settimeout(self.server.limits.write_timeout)
         self.send_response(status)
+        if self.close_connection:
+            # Said, so that the client does not send its next request into a closing socket.
+            self.send_header("Connection", "close")
+        if self._cors:
+            self.send_header("Access-Control-Allow-Origin", self._cors)
+            self.send_header("Vary", "Origin")
 
     def _json(self, status: int, obj: dict) -> None:
         data = json.dumps(obj).encode()
@@ -383,9 +439,9 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, **options) 
     except OSError as e:
         raise MirrorError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
     print(f"mirror-mlx: serving {server.model_id} ({engine.mode}) at {server.url}", flush=True)
-    if host not in ("127.0.0.1", "localhost", "::1"):
-        log.warning("listening on %s: anyone who can reach this address can use the model",
-                    host)
+    if not is_loopback(server.server_address[0]):
+        log.warning("listening on %s: %s", host, "requests need the API key"
+                    if server.access.api_key else "anyone who can reach it can use the model")
     try:
         server.serve_forever()
     except KeyboardInterrupt:

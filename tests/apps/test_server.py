@@ -103,6 +103,7 @@ def test_chat_equals_engine_streaming_and_not(client, server, target):
     assert reply.usage.completion_tokens == len(expected.token_ids)
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
     assert reply.mirror_stats["mode"] == "ar" and reply.mirror_stats["tokens_per_second"] > 0
+    assert "cached_prompt_tokens" not in reply.mirror_stats  # says what others asked
 
     chunks = list(client.chat.completions.create(
         model=server.model_id, messages=CHAT, max_tokens=16, temperature=0, stream=True,
@@ -206,8 +207,8 @@ def test_malformed_http(server, client):
     for headers, status in ((b"", b"411"),
                             (b"Content-Length: %d\r\n" % (server.limits.max_body + 1), b"413")):
         with socket.create_connection(server.server_address[:2], timeout=30) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + headers +
-                         b"\r\n")
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/json\r\n" + headers + b"\r\n")
             assert sock.recv(100).startswith(b"HTTP/1.1 " + status)
 
     # The openai package maps the 400 to its own exception; the server is still fine.
@@ -219,8 +220,8 @@ def test_malformed_http(server, client):
 
 def _request_bytes(server: Server, body: dict) -> bytes:
     data = json.dumps(body).encode()
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-            b"\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            b"application/json\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
 
 
 def test_max_tokens_is_a_ceiling(engine):
@@ -389,6 +390,68 @@ def test_half_closed_client_gets_its_reply(server):
     assert reply["choices"][0]["text"]
 
 
+def test_browser_pages_are_refused(server):
+    """A page on another site can send a text/plain POST without a preflight, or rebind its
+    own name to 127.0.0.1 and read replies: neither gets through."""
+    port = server.server_address[1]
+    chat = json.dumps({"messages": CHAT, "max_tokens": 1}).encode()
+    assert raw(server, "POST", "/v1/chat/completions", chat,
+               {"Content-Type": "text/plain"})[0] == 415
+    assert raw(server, "POST", "/v1/chat/completions", chat,
+               {"Origin": "http://evil.example"})[0] == 403
+    assert raw(server, "GET", "/v1/models", headers={"Host": f"evil.example:{port}"})[0] == 403
+    assert raw(server, "GET", "/v1/models", headers={"Origin": "https://evil.example"})[0] == 403
+    assert raw(server, "OPTIONS", "/v1/chat/completions",
+               headers={"Origin": "http://evil.example"})[0] == 403
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "[::1]"):
+        assert raw(server, "GET", "/v1/models", headers={"Host": host})[0] == 200, host
+    assert raw(server, "GET", "/v1/models", headers={  # the server's own page
+        "Origin": f"http://127.0.0.1:{port}", "Host": f"127.0.0.1:{port}"})[0] == 200
+
+
+def test_cors_only_for_allowed_origins(engine):
+    with serving(engine, cors_origins=("http://app.example",),
+                 allowed_hosts=("box.example",)) as server:
+        conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+        conn.request("OPTIONS", "/v1/chat/completions", headers={
+            "Origin": "http://app.example", "Access-Control-Request-Method": "POST"})
+        response = conn.getresponse()
+        response.read()
+        assert response.status == 204
+        assert response.headers["Access-Control-Allow-Origin"] == "http://app.example"
+        assert "Content-Type" in response.headers["Access-Control-Allow-Headers"]
+        conn.request("GET", "/v1/models", headers={"Origin": "http://app.example",
+                                                   "Host": "box.example:8000"})
+        response = conn.getresponse()
+        response.read()
+        assert response.status == 200
+        assert response.headers["Access-Control-Allow-Origin"] == "http://app.example"
+        conn.close()
+        assert raw(server, "GET", "/v1/models", headers={"Origin": "http://other.example"})[0] \
+            == 403
+
+
+def test_api_key(engine):
+    """With a key, every route wants it; a `model` field only labels the request."""
+    with serving(engine, api_key="sekrit") as server:
+        assert raw(server, "GET", "/v1/models")[0] == 401
+        assert raw(server, "GET", "/v2/nothing")[0] == 401
+        assert raw(server, "GET", "/v1/models", headers={"Authorization": "Bearer wrong"})[0] \
+            == 401
+        status, reply = raw(server, "POST", "/v1/completions", {"prompt": "Hi"})
+        assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+        client = openai.OpenAI(base_url=server.url, api_key="sekrit", max_retries=0)
+        reply = client.completions.create(model="/etc/passwd", prompt="Hi", max_tokens=1)
+        assert reply.model == server.model_id and reply.usage.completion_tokens == 1
+
+
+def test_public_address_needs_a_key(engine):
+    with pytest.raises(MirrorError, match="API key"):
+        Server(engine, "0.0.0.0", 0)
+    for options in ({"api_key": "sekrit"}, {"allow_no_auth": True}):
+        Server(engine, "0.0.0.0", 0, **options).server_close()
+
+
 def test_concurrent_clients_are_queued(server, target, caplog):
     caplog.set_level(logging.INFO, logger="apps.server.app")
     prompts = [f"Name a {thing}." for thing in ("fruit", "river", "planet")]
@@ -431,12 +494,15 @@ def test_serve_command(default_gguf):
     with subprocess.Popen(
             [sys.executable, "-m", "mirror_mlx", "serve", "--model", str(default_gguf), "--port",
              "0", "--max-tokens", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
+            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                            "MIRROR_MLX_API_KEY": "sekrit"}) as proc:
         try:
             line = proc.stdout.readline()
             assert " at http://127.0.0.1:" in line, line + proc.stderr.read()
-            client = openai.OpenAI(base_url=line.split(" at ")[1].strip(), api_key="unused",
+            client = openai.OpenAI(base_url=line.split(" at ")[1].strip(), api_key="sekrit",
                                    max_retries=0)
+            with pytest.raises(openai.AuthenticationError):  # the key from the environment
+                client.with_options(api_key="wrong").models.list()
             reply = client.chat.completions.create(model="m", messages=CHAT)
             assert reply.usage.completion_tokens == 3  # the server's --max-tokens
             client.close()
