@@ -286,9 +286,11 @@ class Handler(BaseHTTPRequestHandler):
             raise RequestError(400, f"the body ended after {len(raw)} of its {length} bytes")
         self.connection.settimeout(self.server.limits.write_timeout)  # for the watcher's probe
         try:
-            return json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise RequestError(400, f"the body is not valid JSON: {e}") from e
+            return json.loads(raw, parse_constant=_not_json)
+        except RecursionError:
+            raise RequestError(400, "the body's JSON nests too deeply") from None
+        except ValueError as e:  # also integers of more digits than int() takes
+            raise RequestError(400, f"the body is not valid JSON: {e}") from None
 
     # ---- generation
     def _generate(self, request: Request) -> None:
@@ -413,6 +415,10 @@ class Handler(BaseHTTPRequestHandler):
         if e.status >= 500 or e.status == 429:
             log.warning("%s %s: %s", self.command, self.path, e.message)
         self._json(e.status, e.body())
+
+
+def _not_json(name: str):
+    raise ValueError(f"{name} is not JSON")
 
 
 class _Answered(Exception):

@@ -158,6 +158,9 @@ MALFORMED = [
     # (body, status, param)
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
+    (b"[" * 200_000, 400, None),  # deeper than the parser recurses
+    (b'{"messages": [], "seed": ' + b"7" * 5000 + b"}", 400, None),  # more digits than int()
+    (b'{"messages": [], "temperature": NaN}', 400, None),
     ({"model": "m"}, 400, "messages"),
     ({"messages": []}, 400, "messages"),
     ({"messages": "hello"}, 400, "messages"),
