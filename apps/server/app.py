@@ -140,6 +140,7 @@ class Handler(BaseHTTPRequestHandler):
 
     _replied = False  # a status line went out for the current request
     _cors: str | None = None  # the origin the reply's CORS headers allow
+    _body_read = False  # the request's body was read
     _served = 0  # requests answered on this connection
 
     def setup(self) -> None:
@@ -155,7 +156,7 @@ class Handler(BaseHTTPRequestHandler):
         super().finish()
 
     def handle_one_request(self) -> None:
-        self._replied, self._cors = False, None
+        self._replied, self._cors, self._body_read = False, None, False
         limits = self.server.limits
         # A new connection's first request may take as long as reading one does; later ones
         # keep an idle connection open only briefly.
@@ -284,6 +285,7 @@ class Handler(BaseHTTPRequestHandler):
         if len(raw) < int(length):
             self.close_connection = True
             raise RequestError(400, f"the body ended after {len(raw)} of its {length} bytes")
+        self._body_read = True
         self.connection.settimeout(self.server.limits.write_timeout)  # for the watcher's probe
         try:
             return json.loads(raw, parse_constant=_not_json)
@@ -390,6 +392,11 @@ class Handler(BaseHTTPRequestHandler):
             self._replied = True
         self.connection.settimeout(self.server.limits.write_timeout)
         self.send_response(status)
+        headers = getattr(self, "headers", None)  # none when the request line was bad
+        if headers and not self._body_read and (
+                headers.get("Transfer-Encoding") or headers.get("Content-Length", "0") != "0"):
+            # A body left unread (a GET's, a refused POST's) would be read as the next request.
+            self.close_connection = True
         if self.close_connection:
             # Said, so that the client does not send its next request into a closing socket.
             self.send_header("Connection", "close")

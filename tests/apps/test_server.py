@@ -455,6 +455,17 @@ def test_public_address_needs_a_key(engine):
         Server(engine, "0.0.0.0", 0, **options).server_close()
 
 
+def test_a_get_with_a_body_keeps_requests_apart(server):
+    """A body where none is read is not taken for the next request: the connection closes."""
+    inner = b"GET /v2/smuggled HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with socket.create_connection(server.server_address[:2], timeout=30) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n"
+                     b"\r\n%s" % (len(inner), inner))
+        replies = _read_all(sock)
+    assert replies.startswith(b"HTTP/1.1 200") and replies.count(b"HTTP/1.1 ") == 1, replies
+    assert b"Connection: close" in replies
+
+
 def test_concurrent_clients_are_queued(server, target, caplog):
     caplog.set_level(logging.INFO, logger="apps.server.app")
     prompts = [f"Name a {thing}." for thing in ("fruit", "river", "planet")]
