@@ -13,6 +13,9 @@ from mirror_mlx.decode.sampling import SamplingParams
 from mirror_mlx.errors import InvalidParameter
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+# Characters in one: the text that could still begin one is held back and searched at every
+# token, so its length bounds each token's work.
+MAX_STOP_CHARS = 256
 
 
 @dataclass
@@ -96,6 +99,10 @@ def _stop(body: dict) -> list[str]:
         raise _bad("'stop' must be a non-empty string or a list of them", "stop")
     if len(stop) > MAX_STOP:
         raise _bad(f"'stop' takes at most {MAX_STOP} sequences (got {len(stop)})", "stop")
+    longest = max(len(s) for s in stop)
+    if longest > MAX_STOP_CHARS:
+        raise _bad(f"a stop sequence may have at most {MAX_STOP_CHARS} characters (got "
+                   f"{longest})", "stop")
     return stop
 
 

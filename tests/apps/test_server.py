@@ -176,6 +176,7 @@ MALFORMED = [
     ({"messages": CHAT, "n": 2}, 400, "n"),
     ({"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"messages": CHAT, "stop": 7}, 400, "stop"),
+    ({"messages": CHAT, "stop": ["x" * 257], "max_tokens": 1}, 400, "stop"),
     ({"messages": CHAT, "stream": "yes"}, 400, "stream"),
     ({"messages": CHAT, "seed": -1}, 400, "seed"),
     ({"messages": CHAT, "logprobs": True}, 400, "logprobs"),
