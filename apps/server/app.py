@@ -12,6 +12,7 @@ import errno
 import io
 import json
 import logging
+import signal
 import socket
 import sys
 import threading
@@ -34,6 +35,7 @@ from .watch import Stop, watch
 
 log = logging.getLogger(__name__)
 
+GRACE_S = 5.0  # how long server_close waits for handlers to finish their replies
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
@@ -62,8 +64,13 @@ class Server(ThreadingHTTPServer):
         self.slots = threading.BoundedSemaphore(self.limits.max_queue)
         self.open_slots = threading.BoundedSemaphore(self.limits.max_connections)
         self.created = int(time.time())
+        self.stopping = False
         self._connections: set[socket.socket] = set()
+        self._idle: set[socket.socket] = set()  # connections waiting for their next request
+        self._requests: set[Stop] = set()  # requests waiting for the engine or generating
+        self._handlers = 0  # connection threads running
         self._connections_lock = threading.Lock()
+        self._changed = threading.Condition(self._connections_lock)
         super().__init__((host, port), Handler)
         if not (api_key or allow_no_auth or is_loopback(self.server_address[0])):
             self.socket.close()
@@ -77,6 +84,30 @@ class Server(ThreadingHTTPServer):
                 self._connections.add(sock)
             else:
                 self._connections.discard(sock)
+
+    def idle(self, sock: socket.socket, is_idle: bool) -> bool:
+        """Marks a connection waiting for a request (or not); False when stopping."""
+        with self._connections_lock:
+            (self._idle.add if is_idle else self._idle.discard)(sock)
+            return not self.stopping
+
+    def enlist(self, stop: Stop, is_running: bool) -> bool:
+        """Registers a request the server stops on shutdown; False when stopping."""
+        with self._connections_lock:
+            (self._requests.add if is_running else self._requests.discard)(stop)
+            return not self.stopping
+
+    def stop(self) -> None:
+        """The start of a graceful shutdown (idempotent): waiting requests get 503, the running
+        one ends now (a stream with its final event), idle connections close, and a request
+        arriving on an open one gets 503. Call it once serve_forever has returned."""
+        with self._connections_lock:
+            self.stopping = True
+            for stop in self._requests:
+                stop.set("shutdown")
+            for sock in self._idle:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RD)  # its handler reads end-of-file
 
     def get_request(self):
         try:
@@ -97,23 +128,33 @@ class Server(ThreadingHTTPServer):
                 request.send(_BUSY)
             self.shutdown_request(request)
             return
+        with self._changed:
+            self._handlers += 1
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self.open_slots.release()
+            self._handler_done()
             raise
 
     def process_request_thread(self, request, client_address) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self.open_slots.release()
+            self._handler_done()
+
+    def _handler_done(self) -> None:
+        with self._changed:
+            self._handlers -= 1
+            self._changed.notify_all()
+        self.open_slots.release()
 
     def server_close(self) -> None:
-        self.engine.cancel()
-        with self._connections_lock:
+        """stop(), then up to GRACE_S for the replies to go out; then every connection ends."""
+        self.stop()
+        with self._changed:
+            self._changed.wait_for(lambda: not self._handlers, GRACE_S)
             for sock in self._connections:
-                # Wakes a handler blocked reading; a generating one sees its client gone.
+                # Wakes a handler blocked on a client that does not read.
                 with contextlib.suppress(OSError):
                     sock.shutdown(socket.SHUT_RDWR)
         super().server_close()
@@ -162,7 +203,13 @@ class Handler(BaseHTTPRequestHandler):
         # keep an idle connection open only briefly.
         self._reader.expect(limits.keep_alive if self._served else limits.read_timeout,
                             limits.read_timeout)
-        super().handle_one_request()
+        if not self.server.idle(self.connection, True):
+            self.close_connection = True
+            return
+        try:
+            super().handle_one_request()
+        finally:
+            self.server.idle(self.connection, False)
         self._served += 1
 
     @property
@@ -171,11 +218,18 @@ class Handler(BaseHTTPRequestHandler):
         return self._reader.began or time.monotonic()
 
     def parse_request(self) -> bool:
+        self.server.idle(self.connection, False)  # the request line is in
         try:
-            return super().parse_request()
+            parsed = super().parse_request()
         except TimeoutError:
             self._timed_out("headers")
             return False
+        if parsed and self.server.stopping:
+            self.close_connection = True
+            self._error(RequestError(503, "the server is shutting down",
+                                     type="server_shutting_down"))
+            return False
+        return parsed
 
     def _timed_out(self, what: str) -> None:
         self.close_connection = True
@@ -298,7 +352,8 @@ class Handler(BaseHTTPRequestHandler):
     def _generate(self, request: Request) -> None:
         engine = self.server.engine
         deadline = self._started + self.server.limits.request_timeout
-        with watch(self.connection, deadline, self._probe, self.server.limits.max_body) as stop:
+        with watch(self.connection, deadline, self._probe, self.server.limits.max_body) as stop, \
+                self._enlisted(stop):
             try:
                 stream = _ended(engine.stream(
                     request.prompt, chat_template=request.kind == "chat",
@@ -307,6 +362,9 @@ class Handler(BaseHTTPRequestHandler):
                 # The first chunk comes after the turn and the prefill: a bad prompt still gets
                 # a plain JSON error, before any event is sent.
                 first = next(stream)
+                if stop.reason == "shutdown" and first.stats and not first.stats.generated_tokens:
+                    stream.close()  # a generation stopped in its prefill gives up its turn
+                    raise EngineClosed("the server is shutting down")
             except PromptTooLong as e:
                 raise RequestError(400, str(e), "messages" if request.kind == "chat"
                                    else "prompt", "context_length_exceeded") from e
@@ -327,6 +385,15 @@ class Handler(BaseHTTPRequestHandler):
             # for bytes beside this one.
             with contextlib.suppress(OSError):  # the client may be gone
                 self._json(200, whole)
+
+    @contextlib.contextmanager
+    def _enlisted(self, stop: Stop):
+        try:
+            if not self.server.enlist(stop, True):
+                stop.set("shutdown")
+            yield
+        finally:
+            self.server.enlist(stop, False)
 
     def _probe(self) -> bool:
         """Sends an interim `100 Continue` while the reply has not begun (HTTP/1.1 clients
@@ -444,8 +511,16 @@ def _ended(stream, stop: Stop):
             yield chunk
 
 
+class _Terminated(Exception):
+    """SIGTERM, turned into an exception in the main thread like Ctrl-C's KeyboardInterrupt."""
+
+
+def _terminated(signum, frame):
+    raise _Terminated()
+
+
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, **options) -> None:
-    """Serve until Ctrl-C (the `mirror-mlx serve` command)."""
+    """Serve until Ctrl-C or SIGTERM, then stop gracefully (the `mirror-mlx serve` command)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s", stream=sys.stderr)
     try:
         server = Server(engine, host, port, **options)
@@ -455,9 +530,20 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, **options) 
     if not is_loopback(server.server_address[0]):
         log.warning("listening on %s: %s", host, "requests need the API key"
                     if server.access.api_key else "anyone who can reach it can use the model")
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if in_main else None
+    why = "stopped"
     try:
         server.serve_forever()
     except KeyboardInterrupt:
-        pass
+        why = "Ctrl-C"
+    except _Terminated:
+        why = "SIGTERM"
     finally:
+        if in_main:
+            # A second SIGTERM ends the process at once.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+        log.info("stopping (%s): %s running, %d waiting", why,
+                 "a request" if engine.busy else "nothing", engine.waiting)
         server.server_close()
+        log.info("stopped")

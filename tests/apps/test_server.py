@@ -504,8 +504,38 @@ def test_queue_limit_gives_429(engine):
         holder.join(timeout=30)
 
 
+def test_stop_ends_streams_and_refuses_the_queue(engine):
+    """A graceful stop: the running stream gets its final event, a waiting request 503."""
+    server = start(engine)
+    body = {"messages": [{"role": "user", "content": "Write a long essay about rivers."}],
+            "max_tokens": 400, "temperature": 0, "stream": True}
+    streamed, queued = [], []
+    with socket.create_connection(server.server_address[:2], timeout=60) as sock:
+        sock.sendall(_request_bytes(server, body))
+        seen = b""
+        while seen.count(b"data: ") < 3:  # the opening chunk, then text
+            seen += sock.recv(4096)
+        reader = threading.Thread(target=lambda: streamed.append(seen + _read_all(sock, 60)))
+        reader.start()
+        waiter = threading.Thread(target=lambda: queued.append(raw(
+            server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})))
+        deadline = time.monotonic() + 30
+        waiter.start()
+        while not engine.waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server.shutdown()
+        server.server_close()
+        reader.join(60)
+        waiter.join(60)
+    assert queued[0][0] == 503 and queued[0][1]["error"]["type"] == "server_shutting_down"
+    assert b'"finish_reason": "cancelled"' in streamed[0], streamed
+    assert streamed[0].endswith(b"data: [DONE]\n\n")
+    assert not engine.busy
+
+
 def test_serve_command(default_gguf):
-    """`mirror-mlx serve` as a user runs it: prints its address, serves, stops on Ctrl-C."""
+    """`mirror-mlx serve` as a user runs it: prints its address, serves, stops gracefully on
+    SIGTERM."""
     with subprocess.Popen(
             [sys.executable, "-m", "mirror_mlx", "serve", "--model", str(default_gguf), "--port",
              "0", "--max-tokens", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -521,8 +551,9 @@ def test_serve_command(default_gguf):
             reply = client.chat.completions.create(model="m", messages=CHAT)
             assert reply.usage.completion_tokens == 3  # the server's --max-tokens
             client.close()
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0, proc.stderr.read()
+            assert "stopping (SIGTERM)" in proc.stderr.read()
         finally:
             proc.kill()
 
