@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(finish_reason length)")
     p.add_argument("--max-connections", type=int, default=64,
                    help="open connections; more get 503 and are closed")
+    p.add_argument("--stream-buffer", type=int, default=1 << 20, metavar="BYTES",
+                   help="events a streaming client may fall behind before it is cut off")
     p.add_argument("--api-key", default=os.environ.get("MIRROR_MLX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every request (default: "
                         "$MIRROR_MLX_API_KEY, which keeps the key out of the process list)")
@@ -332,8 +334,9 @@ def cmd_serve(args) -> None:
     with _engine(args) as engine:
         serve(engine, args.host, args.port, max_tokens=args.max_tokens,
               request_timeout=args.request_timeout, max_connections=args.max_connections,
-              api_key=args.api_key, allow_no_auth=args.allow_no_auth,
-              allowed_hosts=tuple(args.allowed_host), cors_origins=tuple(args.cors_origin))
+              stream_buffer=args.stream_buffer, api_key=args.api_key,
+              allow_no_auth=args.allow_no_auth, allowed_hosts=tuple(args.allowed_host),
+              cors_origins=tuple(args.cors_origin))
 
 
 def cmd_bench(args) -> None:

@@ -31,6 +31,7 @@ from .limits import Limits
 from .reading import DeadlineReader
 from .request import Request, RequestError, parse
 from .response import Reply, model_card
+from .sending import EventSender
 from .watch import Stop, watch
 
 log = logging.getLogger(__name__)
@@ -425,32 +426,34 @@ class Handler(BaseHTTPRequestHandler):
         return reply.whole("".join(text), stats)
 
     def _stream(self, reply: Reply, first, stream, stop: Stop) -> None:
-        """Server-sent events; a failed write means the client left: stop generating."""
+        """Server-sent events, sent by an EventSender: a client that left or fell behind
+        stops the generation (it ends within a step)."""
         self.close_connection = True  # the stream's end is the connection's end
         self._begin(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Cache-Control", "no-cache")
-        self.end_headers()
+        try:
+            self.end_headers()
+        except OSError:
+            stop.set("gone")
+        limits = self.server.limits
+        sender = EventSender(self.wfile.write, limits.stream_buffer, stop)
         try:
             if reply.request.kind == "chat":
-                self._event(reply.chunk(""))
+                sender.put(_event(reply.chunk("")))
             for chunk in chain([first], stream):
                 if chunk.text:
-                    self._event(reply.chunk(chunk.text))
+                    sender.put(_event(reply.chunk(chunk.text)))
                 if chunk.stats:
                     self._finished(reply, chunk.stats)
-                    self._event(reply.chunk(None, chunk.stats))
+                    sender.put(_event(reply.chunk(None, chunk.stats)), closing=True)
                     if reply.request.include_usage:
-                        self._event(reply.usage_chunk(chunk.stats))
-                    self.wfile.write(b"data: [DONE]\n\n")
-        except OSError:  # BrokenPipe, ConnectionReset: the client is gone
-            stop.set("gone")
-            for chunk in stream:  # ends within a step, now that `stop` is set
-                if chunk.stats:
-                    self._finished(reply, chunk.stats)
-
-    def _event(self, obj: dict) -> None:
-        self.wfile.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+                        sender.put(_event(reply.usage_chunk(chunk.stats)), closing=True)
+                    sender.put(b"data: [DONE]\n\n", closing=True)
+        finally:
+            if not sender.close(limits.write_timeout):
+                with contextlib.suppress(OSError):  # unblocks the sender's write
+                    self.connection.shutdown(socket.SHUT_RDWR)
 
     # ---- plain replies
     def _begin(self, status: int) -> None:
@@ -493,6 +496,10 @@ class Handler(BaseHTTPRequestHandler):
 
 def _not_json(name: str):
     raise ValueError(f"{name} is not JSON")
+
+
+def _event(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
 class _Answered(Exception):

@@ -467,6 +467,27 @@ def test_a_get_with_a_body_keeps_requests_apart(server):
     assert b"Connection: close" in replies
 
 
+def test_a_slow_stream_reader_is_cut_off(engine, caplog):
+    """A streaming client that stops reading does not hold the engine: once the kernel's
+    buffers (made small here) and the server's stream_buffer are full, its generation ends."""
+    caplog.set_level(logging.INFO, logger="apps.server.app")
+    with serving(engine, stream_buffer=1024) as server:
+        server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1024)  # accepted inherit
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        sock.settimeout(30)
+        sock.connect(server.server_address[:2])
+        sock.sendall(_request_bytes(server, {
+            "messages": [{"role": "user", "content": "Write a long essay about rivers."}],
+            "max_tokens": 300, "temperature": 0, "stream": True}))
+        assert sock.recv(12) == b"HTTP/1.1 200"  # then reads no more
+        [line] = finished(caplog, 60)
+        assert line.endswith("finish behind"), line
+        assert int(line.split(" generated,")[0].split()[-1]) < 300
+        assert not engine.busy  # while the client is still connected
+        sock.close()
+
+
 def test_concurrent_clients_are_queued(server, target, caplog):
     caplog.set_level(logging.INFO, logger="apps.server.app")
     prompts = [f"Name a {thing}." for thing in ("fruit", "river", "planet")]
