@@ -240,9 +240,14 @@ class Handler(BaseHTTPRequestHandler):
                                      code="request_timeout"))
 
     def log_message(self, format, *args) -> None:
-        log.debug("%s %s", self.address_string(), format % args)
+        log.debug("%s %s", self.address_string(), printable(format % args))
 
     # ---- routes
+    @property
+    def _line(self) -> str:
+        """The request's method and path as the log shows them."""
+        return printable(f"{self.command} {self.path}")
+
     def _admit(self) -> bool:
         """The Host, Origin and API key checks (guard.py); False once a refusal is sent."""
         try:
@@ -314,7 +319,7 @@ class Handler(BaseHTTPRequestHandler):
         except _Answered:
             pass
         except Exception:
-            log.exception("%s %s failed", self.command, self.path)
+            log.exception("%s failed", self._line)
             self.close_connection = True
             if not self._replied:
                 self._error(RequestError(500, "internal error; the server's log has the details",
@@ -490,12 +495,22 @@ class Handler(BaseHTTPRequestHandler):
 
     def _error(self, e: RequestError) -> None:
         if e.status >= 500 or e.status == 429:
-            log.warning("%s %s: %s", self.command, self.path, e.message)
+            log.warning("%s: %s", self._line, printable(e.message))
         self._json(e.status, e.body())
 
 
 def _not_json(name: str):
     raise ValueError(f"{name} is not JSON")
+
+
+# C0 and C1 control characters, as \xNN.
+_CONTROL = {c: f"\\x{c:02x}" for c in (*range(0x20), *range(0x7F, 0xA0))}
+
+
+def printable(text: str) -> str:
+    """`text` with its control characters escaped: a request's path must not write escape
+    sequences (colours, cursor moves, made-up lines) into a terminal or a log file."""
+    return text.translate(_CONTROL)
 
 
 def _event(obj: dict) -> bytes:

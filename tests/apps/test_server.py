@@ -488,6 +488,17 @@ def test_a_slow_stream_reader_is_cut_off(engine, caplog):
         sock.close()
 
 
+def test_log_escapes_request_lines(server, caplog):
+    caplog.set_level(logging.DEBUG, logger="apps.server.app")
+    for line in (b"GET /v1/\x1b[2J\x1b[31mred\x07\x9b HTTP/1.1", b"\x1b[31mPATCH /v1 HTTP/1.1"):
+        with socket.create_connection(server.server_address[:2], timeout=30) as sock:
+            sock.sendall(line + b"\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            assert _read_all(sock)[9:12] in (b"404", b"501")
+    logged = [r.getMessage() for r in caplog.records if r.name == "apps.server.app"]
+    assert any("\\x1b[31m" in m for m in logged), logged
+    assert not any(c in m for m in logged for c in "\x1b\x07\x9b")
+
+
 def test_concurrent_clients_are_queued(server, target, caplog):
     caplog.set_level(logging.INFO, logger="apps.server.app")
     prompts = [f"Name a {thing}." for thing in ("fruit", "river", "planet")]
