@@ -149,6 +149,15 @@ class Server(ThreadingHTTPServer):
             self._changed.notify_all()
         self.open_slots.release()
 
+    def handle_error(self, request, client_address) -> None:
+        """A connection's thread failed outside a request's own handling (the standard
+        library prints a traceback for a client that reset its connection)."""
+        error = sys.exc_info()[1]
+        if isinstance(error, OSError):
+            log.debug("connection from %s ended: %s", client_address[0], error)
+        else:
+            log.exception("connection from %s failed", client_address[0])
+
     def server_close(self) -> None:
         """stop(), then up to GRACE_S for the replies to go out; then every connection ends."""
         self.stop()
