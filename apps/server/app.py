@@ -1,4 +1,6 @@
-"""The HTTP side: routes, body limits, server-sent events, disconnects, the request queue.
+"""The HTTP side: routes, body limits, server-sent events, the request queue, connections and
+a graceful stop. Beside it: who may call (guard.py), the knobs (limits.py), a request's read
+deadline (reading.py), why it stops early (watch.py), slow stream readers (sending.py).
 
 The standard library's ThreadingHTTPServer is enough: one engine generates one reply at a
 time, so an asynchronous framework would buy nothing and add dependencies. Each request has
