@@ -113,7 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     _decoding_args(p)
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on; anything but 127.0.0.1 exposes the model")
+                   help="address to listen on; beyond loopback it takes --api-key (or "
+                        "--allow-no-auth)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--max-tokens", type=int, default=512,
                    help="reply length for requests that give no max_tokens, and the most a "
