@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from .errors import MirrorError
@@ -113,10 +114,30 @@ def build_parser() -> argparse.ArgumentParser:
     _model_args(p)
     _decoding_args(p)
     p.add_argument("--host", default="127.0.0.1",
-                   help="address to listen on; anything but 127.0.0.1 exposes the model")
+                   help="address to listen on; beyond loopback it takes --api-key (or "
+                        "--allow-no-auth)")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
     p.add_argument("--max-tokens", type=int, default=512,
-                   help="reply length for requests that give no max_tokens")
+                   help="reply length for requests that give no max_tokens, and the most a "
+                        "request may ask for (more: 400)")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may take, waiting included; then its reply ends "
+                        "(finish_reason length)")
+    p.add_argument("--max-connections", type=int, default=64,
+                   help="open connections; more get 503 and are closed")
+    p.add_argument("--stream-buffer", type=int, default=1 << 20, metavar="BYTES",
+                   help="events a streaming client may fall behind before it is cut off")
+    p.add_argument("--api-key", default=os.environ.get("MIRROR_MLX_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every request (default: "
+                        "$MIRROR_MLX_API_KEY, which keeps the key out of the process list)")
+    p.add_argument("--allow-no-auth", action="store_true",
+                   help="listen beyond loopback without an API key")
+    p.add_argument("--allowed-host", action="append", default=[], metavar="NAME",
+                   help="a Host name to answer besides localhost and addresses (repeatable; "
+                        "'*': any, e.g. behind a proxy)")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let pages of ORIGIN (e.g. http://localhost:3000) call the server "
+                        "(repeatable; '*': any); off by default")
 
     p = sub.add_parser("bench", help="every decoding mode side by side with mlx-lm: speed, "
                                      "energy, JSON + Markdown + plots")
@@ -322,7 +343,11 @@ def cmd_serve(args) -> None:
     from apps.server.app import serve
 
     with _engine(args) as engine:
-        serve(engine, args.host, args.port, max_tokens=args.max_tokens)
+        serve(engine, args.host, args.port, max_tokens=args.max_tokens,
+              request_timeout=args.request_timeout, max_connections=args.max_connections,
+              stream_buffer=args.stream_buffer, api_key=args.api_key,
+              allow_no_auth=args.allow_no_auth, allowed_hosts=tuple(args.allowed_host),
+              cors_origins=tuple(args.cors_origin))
 
 
 def cmd_bench(args) -> None:

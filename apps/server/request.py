@@ -13,6 +13,9 @@ from mirror_mlx.decode.sampling import SamplingParams
 from mirror_mlx.errors import InvalidParameter
 
 MAX_STOP = 4  # OpenAI's limit on stop sequences
+# Characters in one: the text that could still begin one is held back and searched at every
+# token, so its length bounds each token's work.
+MAX_STOP_CHARS = 256
 
 
 @dataclass
@@ -32,7 +35,7 @@ class RequestError(Exception):
 class Request:
     kind: str  # "chat" | "completion"
     prompt: str | list[Message] | list[int]  # messages for chat; text or token ids otherwise
-    max_tokens: int | None  # None: the server's default
+    max_tokens: int
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     stream: bool = False
@@ -96,6 +99,10 @@ def _stop(body: dict) -> list[str]:
         raise _bad("'stop' must be a non-empty string or a list of them", "stop")
     if len(stop) > MAX_STOP:
         raise _bad(f"'stop' takes at most {MAX_STOP} sequences (got {len(stop)})", "stop")
+    longest = max(len(s) for s in stop)
+    if longest > MAX_STOP_CHARS:
+        raise _bad(f"a stop sequence may have at most {MAX_STOP_CHARS} characters (got "
+                   f"{longest})", "stop")
     return stop
 
 
@@ -151,8 +158,9 @@ def _prompt(body: dict) -> str | list[int]:
     raise _bad("'prompt' must be a non-empty string or a list of token ids", "prompt")
 
 
-def parse(kind: str, body) -> Request:
-    """Check a decoded JSON body for `kind` ("chat" or "completion")."""
+def parse(kind: str, body, max_tokens: int) -> Request:
+    """Check a decoded JSON body for `kind` ("chat" or "completion"); `max_tokens` is the
+    server's ceiling on the reply's length."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     unknown = sorted(set(body) - _FIELDS[kind])
@@ -178,10 +186,15 @@ def parse(kind: str, body) -> Request:
     if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
         raise _bad("'stream_options' must be an object like {\"include_usage\": true}",
                    "stream_options")
-    max_tokens = _integer(body, "max_tokens", 1)
-    if kind == "chat":
-        newer = _integer(body, "max_completion_tokens", 1)
-        max_tokens = newer if newer is not None else max_tokens
+    asked, name = _integer(body, "max_tokens", 1), "max_tokens"
+    newer = _integer(body, "max_completion_tokens", 1) if kind == "chat" else None
+    if newer is not None:
+        asked, name = newer, "max_completion_tokens"
+    if asked is not None and asked > max_tokens:
+        # Refused, not cut short: a client that asked for more should not take a shorter
+        # reply for a whole one.
+        raise _bad(f"'{name}' is {asked}; this server allows at most {max_tokens} (its "
+                   "--max-tokens)", name)
     try:
         sampling = SamplingParams(
             temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
@@ -192,5 +205,5 @@ def parse(kind: str, body) -> Request:
     except InvalidParameter as e:
         raise _bad(str(e)) from e
     prompt = _messages(body) if kind == "chat" else _prompt(body)
-    return Request(kind, prompt, max_tokens, sampling, _stop(body), stream,
+    return Request(kind, prompt, asked or max_tokens, sampling, _stop(body), stream,
                    bool(options.get("include_usage", False)))

@@ -1,5 +1,5 @@
 """Replies in OpenAI's shapes: whole completions, streamed chunks, usage, the model list.
-The speculative statistics travel beside them in `mirror_stats` (GenerationStats.to_dict())."""
+The speculative statistics travel beside them in `mirror_stats` (public_stats)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,15 @@ from mirror_mlx.decode.stats import GenerationStats
 
 from .request import Request
 
-# The session's reasons -> OpenAI's: running out of context is a length limit to a client.
-_FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "cancelled"}
+# Whether a prompt's start was cached says what an earlier client asked (the engine keeps the
+# last conversation): not told to a client.
+_PRIVATE = ("cached_prompt_tokens", "prompt_tokens_per_second")
+
+# The session's and the server's reasons -> OpenAI's: running out of context or of the
+# request's time is a length limit to a client; a server stopping or a client that stopped
+# reading ("behind") cancels.
+_FINISH = {"stop": "stop", "length": "length", "context": "length", "timeout": "length",
+           "cancelled": "cancelled", "shutdown": "cancelled", "behind": "cancelled"}
 
 
 class Reply:
@@ -35,7 +42,7 @@ class Reply:
         else:
             choice["text"] = text
         return {**self._head(self.object), "choices": [choice], "usage": usage(stats),
-                "mirror_stats": stats.to_dict()}
+                "mirror_stats": public_stats(stats)}
 
     def chunk(self, text: str | None = None, stats: GenerationStats | None = None) -> dict:
         """A streamed piece: text, or the end (finish_reason and mirror_stats) when `stats`."""
@@ -51,14 +58,19 @@ class Reply:
         out = {**self._head(self.object + ".chunk" if self.request.kind == "chat"
                             else self.object), "choices": [choice]}
         if stats:
-            out["mirror_stats"] = stats.to_dict()
+            out["mirror_stats"] = public_stats(stats)
         return out
 
     def usage_chunk(self, stats: GenerationStats) -> dict:
         """The last chunk when stream_options.include_usage: no choices, only usage."""
         obj = self.object + ".chunk" if self.request.kind == "chat" else self.object
         return {**self._head(obj), "choices": [], "usage": usage(stats),
-                "mirror_stats": stats.to_dict()}
+                "mirror_stats": public_stats(stats)}
+
+
+def public_stats(stats: GenerationStats) -> dict:
+    """The GenerationStats a client sees (`mirror_stats`)."""
+    return {k: v for k, v in stats.to_dict().items() if k not in _PRIVATE}
 
 
 def finish_reason(stats: GenerationStats) -> str:

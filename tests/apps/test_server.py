@@ -2,10 +2,12 @@
 raw HTTP client: replies equal the Engine's, malformed requests get 4xx errors, a client that
 leaves cancels its generation, concurrent clients are served one after another."""
 
+import contextlib
 import http.client
 import json
 import logging
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -31,14 +33,27 @@ def start(engine: Engine, **options) -> Server:
     return server
 
 
+@contextlib.contextmanager
+def serving(engine: Engine, **options):
+    """A server of its own, with `options` (short limits for a test), on a shared engine."""
+    server = start(engine, **options)
+    try:
+        yield server
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 @pytest.fixture(scope="module")
-def server(target):
-    engine = Engine(target, context=CONTEXT)
-    server = start(engine)
-    yield server
-    server.shutdown()
-    server.server_close()
-    engine.close()
+def engine(target):
+    with Engine(target, context=CONTEXT) as engine:
+        yield engine
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    with serving(engine) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +65,8 @@ def raw(server: Server, method: str, path: str, body=None, headers=None):
     """One request with http.client; returns (status, decoded JSON body)."""
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
     data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
-    conn.request(method, path, body=data, headers=headers or {})
+    conn.request(method, path, body=data, headers={"Content-Type": "application/json",
+                                                   **(headers or {})})
     response = conn.getresponse()
     out = response.status, json.loads(response.read())
     conn.close()
@@ -87,6 +103,7 @@ def test_chat_equals_engine_streaming_and_not(client, server, target):
     assert reply.usage.completion_tokens == len(expected.token_ids)
     assert reply.usage.total_tokens == reply.usage.prompt_tokens + reply.usage.completion_tokens
     assert reply.mirror_stats["mode"] == "ar" and reply.mirror_stats["tokens_per_second"] > 0
+    assert "cached_prompt_tokens" not in reply.mirror_stats  # says what others asked
 
     chunks = list(client.chat.completions.create(
         model=server.model_id, messages=CHAT, max_tokens=16, temperature=0, stream=True,
@@ -141,6 +158,9 @@ MALFORMED = [
     # (body, status, param)
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
+    (b"[" * 200_000, 400, None),  # deeper than the parser recurses
+    (b'{"messages": [], "seed": ' + b"7" * 5000 + b"}", 400, None),  # more digits than int()
+    (b'{"messages": [], "temperature": NaN}', 400, None),
     ({"model": "m"}, 400, "messages"),
     ({"messages": []}, 400, "messages"),
     ({"messages": "hello"}, 400, "messages"),
@@ -156,6 +176,7 @@ MALFORMED = [
     ({"messages": CHAT, "n": 2}, 400, "n"),
     ({"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
     ({"messages": CHAT, "stop": 7}, 400, "stop"),
+    ({"messages": CHAT, "stop": ["x" * 257], "max_tokens": 1}, 400, "stop"),
     ({"messages": CHAT, "stream": "yes"}, 400, "stream"),
     ({"messages": CHAT, "seed": -1}, 400, "seed"),
     ({"messages": CHAT, "logprobs": True}, 400, "logprobs"),
@@ -188,10 +209,10 @@ def test_malformed_http(server, client):
     # By hand: http.client always sends a Content-Length. The size limit is judged from the
     # header, before a byte of the body is read.
     for headers, status in ((b"", b"411"),
-                            (b"Content-Length: %d\r\n" % (server.max_body + 1), b"413")):
+                            (b"Content-Length: %d\r\n" % (server.limits.max_body + 1), b"413")):
         with socket.create_connection(server.server_address[:2], timeout=30) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n" + headers +
-                         b"\r\n")
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                         b"Content-Type: application/json\r\n" + headers + b"\r\n")
             assert sock.recv(100).startswith(b"HTTP/1.1 " + status)
 
     # The openai package maps the 400 to its own exception; the server is still fine.
@@ -203,12 +224,115 @@ def test_malformed_http(server, client):
 
 def _request_bytes(server: Server, body: dict) -> bytes:
     data = json.dumps(body).encode()
-    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
-            b"\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+            b"application/json\r\nContent-Length: " + str(len(data)).encode() + b"\r\n\r\n" + data)
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["streaming", "waiting"])
-def test_client_disconnect_cancels(server, caplog, stream):
+def test_max_tokens_is_a_ceiling(engine):
+    with serving(engine, max_tokens=4) as server:
+        status, reply = raw(server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 5})
+        assert status == 400 and reply["error"]["param"] == "max_tokens", reply
+        assert "at most 4" in reply["error"]["message"]
+        status, reply = raw(server, "POST", "/v1/chat/completions",
+                            {"messages": CHAT, "max_completion_tokens": 5})
+        assert status == 400 and reply["error"]["param"] == "max_completion_tokens", reply
+        status, reply = raw(server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 4})
+        assert status == 200 and reply["usage"]["completion_tokens"] <= 4
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streaming"])
+def test_request_timeout_ends_the_reply(engine, stream):
+    """Past --request-timeout the generation stops; the client gets what was generated, with
+    finish_reason "length" (mirror_stats says "timeout")."""
+    with serving(engine, request_timeout=0.5) as server:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+        reply = client.completions.create(model="m", prompt="A long essay about rivers:",
+                                          max_tokens=500, temperature=0, stream=stream)
+        last = list(reply)[-1] if stream else reply
+    assert last.choices[0].finish_reason == "length"
+    assert last.mirror_stats["finish_reason"] == "timeout"
+    assert last.mirror_stats["generated_tokens"] < 500
+
+
+def _read_all(sock: socket.socket, timeout: float = 5) -> bytes:
+    """Everything the server sends until it closes the connection (or `timeout` passes)."""
+    sock.settimeout(timeout)
+    out = b""
+    with contextlib.suppress(TimeoutError, ConnectionResetError):
+        while data := sock.recv(65536):
+            out += data
+    return out
+
+
+def test_connections_are_capped(engine):
+    with serving(engine, max_connections=2) as server:
+        address = server.server_address[:2]
+        idle = [socket.create_connection(address, timeout=5) for _ in range(2)]
+        with socket.create_connection(address, timeout=5) as third:
+            assert _read_all(third).startswith(b"HTTP/1.1 503")
+        idle[0].close()  # frees a slot once its thread sees the close
+        deadline, status = time.monotonic() + 10, 0
+        while status != 200 and time.monotonic() < deadline:
+            status = raw_status(server)
+            time.sleep(0.05)
+        assert status == 200
+        idle[1].close()
+
+
+def raw_status(server: Server) -> int:
+    with socket.create_connection(server.server_address[:2], timeout=5) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        return int(_read_all(sock)[9:12] or 0)
+
+
+def test_listen_backlog_holds_a_burst(engine):
+    """Connections beyond the kernel's backlog wait for a SYN retry (a second or more); 5, the
+    standard library's default, is too few for a burst of clients."""
+    server = Server(engine, "127.0.0.1", 0)  # listening, not accepting yet
+    try:
+        socks = [socket.create_connection(server.server_address[:2], timeout=0.5)
+                 for _ in range(20)]
+        for sock in socks:
+            sock.close()
+    finally:
+        server.server_close()
+
+
+def test_one_deadline_for_headers_and_body(engine, caplog):
+    """Headers trickled a byte at a time, each in time for a per-read timeout, and a body
+    shorter than its Content-Length both get 408 once read_timeout has passed."""
+    with serving(engine, read_timeout=0.5) as server:
+        address = server.server_address[:2]
+        with socket.create_connection(address, timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\n")
+            start = time.monotonic()
+            for byte in b"Host: 127.0.0.1\r\nX-Slow: " + b"a" * 50:
+                if select.select([sock], [], [], 0.1)[0]:
+                    break
+                sock.sendall(bytes([byte]))
+            assert _read_all(sock).startswith(b"HTTP/1.1 408")
+            assert time.monotonic() - start < 3
+        with socket.create_connection(address, timeout=5) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
+                         b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+            assert _read_all(sock).startswith(b"HTTP/1.1 408")
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+def test_idle_keep_alive_is_short(engine):
+    with serving(engine, keep_alive=0.3) as server:
+        with socket.create_connection(server.server_address[:2], timeout=5) as sock:
+            sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            start = time.monotonic()
+            assert _read_all(sock).startswith(b"HTTP/1.1 200")  # then closed by the server
+            assert time.monotonic() - start < 3
+
+
+@pytest.mark.parametrize("stream,extra", [(True, b""), (False, b""), (False, b"x")],
+                         ids=["streaming", "waiting", "waiting-after-an-extra-byte"])
+def test_client_disconnect_cancels(server, caplog, stream, extra):
+    """A client that closes its connection cancels its generation, also when it sent a byte
+    more than its request first."""
     caplog.set_level(logging.INFO, logger="apps.server.app")
     engine = server.engine
     body = {"messages": [{"role": "user", "content": "Write a long essay about rivers."}],
@@ -225,12 +349,154 @@ def test_client_disconnect_cancels(server, caplog, stream):
         while not engine.busy and time.monotonic() < deadline:
             time.sleep(0.01)
         time.sleep(0.3)
+    sock.sendall(extra)  # after the body was read: beside the request, not in its buffer
+    time.sleep(0.2)
     sock.close()
     [line] = finished(caplog)
     assert line.endswith("finish cancelled"), line
     generated = int(line.split(" generated,")[0].split()[-1])
     assert generated < 100
     assert not engine.busy
+
+
+def test_extra_bytes_close_the_connection(server):
+    """Bytes after a request are dropped, so the connection closes after the reply instead of
+    reading them as a request."""
+    with socket.create_connection(server.server_address[:2], timeout=60) as sock:
+        sock.sendall(_request_bytes(server, {"messages": CHAT, "max_tokens": 30}))
+        deadline = time.monotonic() + 30
+        while not server.engine.busy and time.monotonic() < deadline:
+            time.sleep(0.005)  # the body is read: what comes next is beside the request
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        replies = _read_all(sock, 60)
+    assert replies.startswith(b"HTTP/1.1 200") and replies.count(b"HTTP/1.1 ") == 1, replies
+
+
+def test_half_closed_client_gets_its_reply(server):
+    """A client that shuts its sending side after the request still waits for the reply."""
+    with socket.create_connection(server.server_address[:2], timeout=60) as sock:
+        sock.sendall(_request_bytes(server, {"messages": CHAT, "max_tokens": 3,
+                                             "temperature": 0, "stream": True}))
+        sock.shutdown(socket.SHUT_WR)
+        replies = _read_all(sock, 60)
+    final = replies[replies.rindex(b"HTTP/1.1 "):]  # after any interim 100 Continue
+    assert final.startswith(b"HTTP/1.1 200") and b"data: [DONE]" in final, replies
+    assert b'"finish_reason": "length"' in final
+
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi", "max_tokens": 3}),
+                 {"Content-Type": "application/json"})
+    conn.sock.shutdown(socket.SHUT_WR)
+    response = conn.getresponse()  # http.client skips the interim 100s
+    reply = json.loads(response.read())
+    conn.close()
+    assert response.status == 200 and reply["choices"][0]["finish_reason"] == "length"
+    assert reply["choices"][0]["text"]
+
+
+def test_browser_pages_are_refused(server):
+    """A page on another site can send a text/plain POST without a preflight, or rebind its
+    own name to 127.0.0.1 and read replies: neither gets through."""
+    port = server.server_address[1]
+    chat = json.dumps({"messages": CHAT, "max_tokens": 1}).encode()
+    assert raw(server, "POST", "/v1/chat/completions", chat,
+               {"Content-Type": "text/plain"})[0] == 415
+    assert raw(server, "POST", "/v1/chat/completions", chat,
+               {"Origin": "http://evil.example"})[0] == 403
+    assert raw(server, "GET", "/v1/models", headers={"Host": f"evil.example:{port}"})[0] == 403
+    assert raw(server, "GET", "/v1/models", headers={"Origin": "https://evil.example"})[0] == 403
+    assert raw(server, "OPTIONS", "/v1/chat/completions",
+               headers={"Origin": "http://evil.example"})[0] == 403
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}", "[::1]"):
+        assert raw(server, "GET", "/v1/models", headers={"Host": host})[0] == 200, host
+    assert raw(server, "GET", "/v1/models", headers={  # the server's own page
+        "Origin": f"http://127.0.0.1:{port}", "Host": f"127.0.0.1:{port}"})[0] == 200
+
+
+def test_cors_only_for_allowed_origins(engine):
+    with serving(engine, cors_origins=("http://app.example",),
+                 allowed_hosts=("box.example",)) as server:
+        conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+        conn.request("OPTIONS", "/v1/chat/completions", headers={
+            "Origin": "http://app.example", "Access-Control-Request-Method": "POST"})
+        response = conn.getresponse()
+        response.read()
+        assert response.status == 204
+        assert response.headers["Access-Control-Allow-Origin"] == "http://app.example"
+        assert "Content-Type" in response.headers["Access-Control-Allow-Headers"]
+        conn.request("GET", "/v1/models", headers={"Origin": "http://app.example",
+                                                   "Host": "box.example:8000"})
+        response = conn.getresponse()
+        response.read()
+        assert response.status == 200
+        assert response.headers["Access-Control-Allow-Origin"] == "http://app.example"
+        conn.close()
+        assert raw(server, "GET", "/v1/models", headers={"Origin": "http://other.example"})[0] \
+            == 403
+
+
+def test_api_key(engine):
+    """With a key, every route wants it; a `model` field only labels the request."""
+    with serving(engine, api_key="sekrit") as server:
+        assert raw(server, "GET", "/v1/models")[0] == 401
+        assert raw(server, "GET", "/v2/nothing")[0] == 401
+        assert raw(server, "GET", "/v1/models", headers={"Authorization": "Bearer wrong"})[0] \
+            == 401
+        status, reply = raw(server, "POST", "/v1/completions", {"prompt": "Hi"})
+        assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+        client = openai.OpenAI(base_url=server.url, api_key="sekrit", max_retries=0)
+        reply = client.completions.create(model="/etc/passwd", prompt="Hi", max_tokens=1)
+        assert reply.model == server.model_id and reply.usage.completion_tokens == 1
+
+
+def test_public_address_needs_a_key(engine):
+    with pytest.raises(MirrorError, match="API key"):
+        Server(engine, "0.0.0.0", 0)
+    for options in ({"api_key": "sekrit"}, {"allow_no_auth": True}):
+        Server(engine, "0.0.0.0", 0, **options).server_close()
+
+
+def test_a_get_with_a_body_keeps_requests_apart(server):
+    """A body where none is read is not taken for the next request: the connection closes."""
+    inner = b"GET /v2/smuggled HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with socket.create_connection(server.server_address[:2], timeout=30) as sock:
+        sock.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n"
+                     b"\r\n%s" % (len(inner), inner))
+        replies = _read_all(sock)
+    assert replies.startswith(b"HTTP/1.1 200") and replies.count(b"HTTP/1.1 ") == 1, replies
+    assert b"Connection: close" in replies
+
+
+def test_a_slow_stream_reader_is_cut_off(engine, caplog):
+    """A streaming client that stops reading does not hold the engine: once the kernel's
+    buffers (made small here) and the server's stream_buffer are full, its generation ends."""
+    caplog.set_level(logging.INFO, logger="apps.server.app")
+    with serving(engine, stream_buffer=1024) as server:
+        server.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1024)  # accepted inherit
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+        sock.settimeout(30)
+        sock.connect(server.server_address[:2])
+        sock.sendall(_request_bytes(server, {
+            "messages": [{"role": "user", "content": "Write a long essay about rivers."}],
+            "max_tokens": 300, "temperature": 0, "stream": True}))
+        assert sock.recv(12) == b"HTTP/1.1 200"  # then reads no more
+        [line] = finished(caplog, 60)
+        assert line.endswith("finish behind"), line
+        assert int(line.split(" generated,")[0].split()[-1]) < 300
+        assert not engine.busy  # while the client is still connected
+        sock.close()
+
+
+def test_log_escapes_request_lines(server, caplog):
+    caplog.set_level(logging.DEBUG, logger="apps.server.app")
+    for line in (b"GET /v1/\x1b[2J\x1b[31mred\x07\x9b HTTP/1.1", b"\x1b[31mPATCH /v1 HTTP/1.1"):
+        with socket.create_connection(server.server_address[:2], timeout=30) as sock:
+            sock.sendall(line + b"\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+            assert _read_all(sock)[9:12] in (b"404", b"501")
+    logged = [r.getMessage() for r in caplog.records if r.name == "apps.server.app"]
+    assert any("\\x1b[31m" in m for m in logged), logged
+    assert not any(c in m for m in logged for c in "\x1b\x07\x9b")
 
 
 def test_concurrent_clients_are_queued(server, target, caplog):
@@ -257,40 +523,69 @@ def test_concurrent_clients_are_queued(server, target, caplog):
     assert len(finished(caplog)) == len(prompts)
 
 
-def test_queue_limit_gives_429(target):
-    with Engine(target) as engine:
-        server = start(engine, max_queue=1)
-        try:
-            holder = threading.Thread(target=lambda: raw(server, "POST", "/v1/completions", {
-                "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0}))
-            holder.start()
-            while not engine.busy:
-                time.sleep(0.01)
-            status, reply = raw(server, "POST", "/v1/completions", {"prompt": "Hi"})
-            assert status == 429 and "try again" in reply["error"]["message"]
-            engine.cancel()
-            holder.join(timeout=30)
-        finally:
-            server.shutdown()
-            server.server_close()
+def test_queue_limit_gives_429(engine):
+    with serving(engine, max_queue=1) as server:
+        holder = threading.Thread(target=lambda: raw(server, "POST", "/v1/completions", {
+            "prompt": "Once upon a time", "max_tokens": 300, "temperature": 0}))
+        holder.start()
+        while not engine.busy:
+            time.sleep(0.01)
+        status, reply = raw(server, "POST", "/v1/completions", {"prompt": "Hi"})
+        assert status == 429 and "try again" in reply["error"]["message"]
+        engine.cancel()
+        holder.join(timeout=30)
+
+
+def test_stop_ends_streams_and_refuses_the_queue(engine):
+    """A graceful stop: the running stream gets its final event, a waiting request 503."""
+    server = start(engine)
+    body = {"messages": [{"role": "user", "content": "Write a long essay about rivers."}],
+            "max_tokens": 400, "temperature": 0, "stream": True}
+    streamed, queued = [], []
+    with socket.create_connection(server.server_address[:2], timeout=60) as sock:
+        sock.sendall(_request_bytes(server, body))
+        seen = b""
+        while seen.count(b"data: ") < 3:  # the opening chunk, then text
+            seen += sock.recv(4096)
+        reader = threading.Thread(target=lambda: streamed.append(seen + _read_all(sock, 60)))
+        reader.start()
+        waiter = threading.Thread(target=lambda: queued.append(raw(
+            server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 2})))
+        deadline = time.monotonic() + 30
+        waiter.start()
+        while not engine.waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        server.shutdown()
+        server.server_close()
+        reader.join(60)
+        waiter.join(60)
+    assert queued[0][0] == 503 and queued[0][1]["error"]["type"] == "server_shutting_down"
+    assert b'"finish_reason": "cancelled"' in streamed[0], streamed
+    assert streamed[0].endswith(b"data: [DONE]\n\n")
+    assert not engine.busy
 
 
 def test_serve_command(default_gguf):
-    """`mirror-mlx serve` as a user runs it: prints its address, serves, stops on Ctrl-C."""
+    """`mirror-mlx serve` as a user runs it: prints its address, serves, stops gracefully on
+    SIGTERM."""
     with subprocess.Popen(
             [sys.executable, "-m", "mirror_mlx", "serve", "--model", str(default_gguf), "--port",
              "0", "--max-tokens", "3"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}) as proc:
+            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1",
+                            "MIRROR_MLX_API_KEY": "sekrit"}) as proc:
         try:
             line = proc.stdout.readline()
             assert " at http://127.0.0.1:" in line, line + proc.stderr.read()
-            client = openai.OpenAI(base_url=line.split(" at ")[1].strip(), api_key="unused",
+            client = openai.OpenAI(base_url=line.split(" at ")[1].strip(), api_key="sekrit",
                                    max_retries=0)
+            with pytest.raises(openai.AuthenticationError):  # the key from the environment
+                client.with_options(api_key="wrong").models.list()
             reply = client.chat.completions.create(model="m", messages=CHAT)
             assert reply.usage.completion_tokens == 3  # the server's --max-tokens
             client.close()
-            proc.send_signal(signal.SIGINT)
+            proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=30) == 0, proc.stderr.read()
+            assert "stopping (SIGTERM)" in proc.stderr.read()
         finally:
             proc.kill()
 
