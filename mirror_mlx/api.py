@@ -127,7 +127,7 @@ class Engine:
     """
 
     def __init__(self, model: str | LoadedModel | None = None, *, mode: str = "ar",
-                 draft: str | Drafter | None = None, dtype: str = "auto",
+                 draft: str | Drafter | None = "auto", dtype: str = "auto",
                  context: int | None = None,
                  gamma: int | None = None, kappa: int = 8, exit_layer: int | None = None,
                  exit_head: str | None = None, branch_budget: int | None = None,

@@ -23,15 +23,19 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="KV cache length in tokens (default: the model's context)")
 
 
+DRAFT_HELP = ("draft for sd and mirror: 'auto' (default: the shipped draft for the default "
+              "model; for a well-known target named by its hub id, its published EAGLE-3 head "
+              "or its family's smallest model, fetched; else self:2, said on stderr), a "
+              "distilled draft folder, a published EAGLE-3 head's folder (EAGLE/SpecForge or "
+              "speculators layout), a model spec (llama, mistral, qwen2, qwen3, phi3, gemma2, "
+              "gemma3 text), 'self:N' (the target's first N layers), 'default' or "
+              "'default-tokens' (the shipped draft that reads tokens only)")
+
+
 def _decoding_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", default="ar", choices=("ar", "sd", "mirror"),
                    help="ar: target only; sd: vanilla speculative; mirror: Mirror-SD")
-    p.add_argument("--draft", default=None,
-                   help="draft: a distilled draft folder, a published EAGLE-3 head's folder "
-                        "(EAGLE/SpecForge or speculators layout), a model spec (llama, "
-                        "mistral, qwen2, qwen3, phi3, gemma2, gemma3 text), 'self:N' (the "
-                        "target's first N layers), 'default' or 'default-tokens' (the shipped "
-                        "draft that reads tokens only)")
+    p.add_argument("--draft", default="auto", help=DRAFT_HELP)
     p.add_argument("--gamma", type=_auto_or_int, default=None, metavar="auto|N",
                    help="drafted tokens per step: auto (default) drafts while the draft's "
                         "confidence says a token is worth its measured cost; N fixes it")
@@ -143,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "energy, JSON + Markdown + plots")
     p.add_argument("--target", default=None, help="target model spec (as --model elsewhere)")
     p.add_argument("--dtype", default="auto", help="as for generate")
-    p.add_argument("--draft", default=None, help="draft spec for the speculative modes")
+    p.add_argument("--draft", default="auto", help=DRAFT_HELP)
     p.add_argument("--prompts", default="builtin",
                    help="'builtin' or a Spec-Bench-format JSONL file "
                         "(question_id, category, turns)")
@@ -179,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
                                             "Neural Engine (needs the export extra)")
     p.add_argument("--model", default=None, help="the target the draft serves (as for generate)")
     p.add_argument("--draft", default=None,
-                   help="the draft (as for generate; default: the model's default draft)")
+                   help="the draft (as for generate; default: auto)")
     p.add_argument("--out", required=True, help="the package to write, X.mlpackage")
     p.add_argument("--context", type=int, default=2048,
                    help="KV slots in the package's state (a multiple of 32)")

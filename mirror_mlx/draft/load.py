@@ -1,5 +1,8 @@
 """Draft specs -> a DraftNet for a given target.
 
+- "auto" (also None): the draft known.py picks for the target: the shipped one for the
+  default model, a published EAGLE-3 head or the family's smallest model for a well-known
+  target named by its hub id (fetched), else "self:2";
 - "default": the draft shipped for the default target when the target is the default model
   (it reads the target's features), else the target's first layers ("self:2");
 - "default-tokens": the shipped draft that reads tokens only (what mlx-lm's speculative
@@ -21,13 +24,13 @@ from ..errors import IncompatibleDraft, InvalidParameter, ModelLoadError
 from ..models.load import LoadedModel, load, resolve_dtype
 from ..models.split import ExitHead, check_splittable
 from .eagle3 import is_eagle3_folder, load_eagle3
+from .known import AUTO, DEFAULT_SELF_LAYERS, auto_draft
 from .net import DraftNet
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFT = ASSETS / "draft-smollm2-135m"
 SHIPPED_TOKEN_DRAFT = ASSETS / "draft-smollm2-135m-tokens"
 SHIPPED_EXIT_HEAD = ASSETS / "exit-smollm2-135m.safetensors"
-DEFAULT_SELF_LAYERS = 2
 
 
 def vocab_fingerprint(tokenizer) -> str:
@@ -41,7 +44,9 @@ def target_info(target: LoadedModel) -> dict:
 
 
 def load_draft(spec: str | None, target: LoadedModel) -> DraftNet:
-    spec = spec or "default"
+    spec = spec or AUTO
+    if spec == AUTO:
+        spec = auto_draft(target)
     shipped = {"default": SHIPPED_DRAFT, "default-tokens": SHIPPED_TOKEN_DRAFT}.get(spec)
     if shipped is not None:
         if target.name == "default" and DraftNet.is_draft_folder(shipped):

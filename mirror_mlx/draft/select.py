@@ -23,6 +23,7 @@ from ..platform import DRAFT_DEVICES, coreml_can_run, coreml_status, mlx_backend
 from .base import Drafter
 from .coreml_draft import CoreMLUnavailable, open_package, read_package_spec
 from .coreml_package import source_sha256
+from .known import AUTO, auto_draft
 from .load import SHIPPED_DRAFT, load_draft
 from .mlx_draft import MLXDrafter
 
@@ -67,9 +68,12 @@ def mlx_device(name: str | None) -> mx.Device | None:
 
 
 def make_drafter(spec: str | None, target: LoadedModel, device: str | None = None) -> Drafter:
-    """A drafter for `spec` (see draft/load.py, or a .mlpackage) serving `target`; `device`
-    ("cpu" or "gpu") runs it with MLX on that device."""
+    """A drafter for `spec` (see draft/load.py, or a .mlpackage; None: "auto") serving
+    `target`; `device` ("cpu" or "gpu") runs it with MLX on that device."""
     on = mlx_device(device)
+    if spec in (None, AUTO):
+        # Resolved first: the shipped draft it may stand for can have a package beside it.
+        spec = auto_draft(target)
     if spec and spec.rstrip("/").endswith(PACKAGE_SUFFIX):
         package = Path(spec).expanduser()
         if not package.is_dir():
