@@ -15,6 +15,7 @@ class TextStream:
     def __init__(self, tokenizer: PreTrainedTokenizerBase, stop: Sequence[str] = ()):
         self.tokenizer = tokenizer
         self.stop = [s for s in stop if s]
+        self.tables = [_prefix_table(s) for s in self.stop]
         self.ids: list[int] = []
         # Decode a short window of recent tokens, not the whole text: `prefix` is where the
         # window starts, `read` where the already-returned text ends.
@@ -55,15 +56,35 @@ class TextStream:
             buf, self.held = buf[: min(hits)], ""
             self.text += buf
             return buf
-        hold = max((_overlap(buf, s) for s in self.stop), default=0)
+        hold = max((_overlap(buf, s, t) for s, t in zip(self.stop, self.tables)), default=0)
         out, self.held = buf[: len(buf) - hold], buf[len(buf) - hold :]
         self.text += out
         return out
 
 
-def _overlap(text: str, stop: str) -> int:
-    """Length of the longest end of `text` that is a proper start of `stop`."""
-    for n in range(min(len(text), len(stop) - 1), 0, -1):
-        if text.endswith(stop[:n]):
-            return n
-    return 0
+def _prefix_table(stop: str) -> list[int]:
+    """For each i, the length of the longest proper prefix of stop[:i + 1] that is also its
+    suffix (Knuth-Morris-Pratt)."""
+    table, k = [0] * len(stop), 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        table[i] = k
+    return table
+
+
+def _overlap(text: str, stop: str, table: list[int]) -> int:
+    """Length of the longest end of `text` that is a proper start of `stop` (text holds no
+    whole `stop`), in time linear in the stop's length: comparing every end with every start
+    would be quadratic in it."""
+    k = 0
+    for ch in text[max(0, len(text) - len(stop) + 1) :] if len(stop) > 1 else "":
+        if k == len(stop):
+            k = table[k - 1]
+        while k and stop[k] != ch:
+            k = table[k - 1]
+        if stop[k] == ch:
+            k += 1
+    return k if k < len(stop) else table[k - 1]

@@ -1,5 +1,6 @@
 """The generation loop on the real default model: cache reuse, stops, streaming, cancel."""
 
+import random
 import threading
 
 from mirror_mlx.api import Engine
@@ -118,3 +119,21 @@ def test_bad_generation_arguments(target):
         list(s.generate([], max_tokens=4))
     with pytest.raises(InvalidParameter):
         list(s.generate([1, 2], max_tokens=0))
+
+
+def test_stop_overlap_is_the_longest_end_that_starts_a_stop():
+    """The held-back text (the longest end of the text that could start a stop string) is found
+    in linear time and equals the plain definition, on random texts over a small alphabet
+    where ends and starts overlap often."""
+    from mirror_mlx.text import _overlap, _prefix_table
+
+    def plain(text, stop):
+        return max((n for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        stop = "".join(rng.choice("ab") for _ in range(rng.randint(1, 9)))
+        text = "".join(rng.choice("abc") for _ in range(rng.randint(0, 14)))
+        if stop in text:
+            continue
+        assert _overlap(text, stop, _prefix_table(stop)) == plain(text, stop), (text, stop)
