@@ -16,6 +16,23 @@ Each ANE-specific choice is stated once, where it is made:
   is two multiplies and an add, without slicing or negating activations.
 - RMSNorm divides by the max-abs first: x * x summed over 576 channels overflows fp16 for
   activations of a few hundred (the Neural Engine has no fp32 path).
+- A scaled rope (linear, llama3, yarn, longrope) is plain rope at other frequencies: the host's
+  cos/sin tables carry it (one table per distinct rope, e.g. gemma 3's local and global ones),
+  and yarn's mscale on q and k is folded into the attention scale.
+- qk-norm (qwen3, gemma 3) is an RMS norm over each head's D channels, before rope: one
+  convolution still yields each head and its rotated copy, and both are scaled by the head's
+  one inverse RMS (rotate_half permutes a head's entries, so their RMS is the same) times the
+  norm's weight, permuted for the copy; the softmax scale folds into that weight.
+- Biases (qwen2) stay in the 1x1 convolutions, which the Neural Engine computes with a bias.
+- Gemma: its norms' 1 + w is the stored weight (draft_weights), its MLP gates with tanh-GELU
+  (a MIL op the Neural Engine runs), its embedding scale is one multiply on the host's
+  embeddings (the host sends the target's raw rows, which a tied head reads unscaled). Its
+  residual stream outgrows fp16 (Gemma 3 270M's passes 65,504 from its 8th layer): every read
+  of the stream is through an RMS norm and every write is post-normed, so the package carries
+  the stream, and each sublayer's output before its post-norm, at SANDWICH_SCALE.
+- A sliding-window layer reads the host's second mask (window_mask), the first one narrowed to
+  the window: the host's tree mask already encodes what each token sees, and the window is a
+  count along that (net.windowed), which the host computes exactly; the cache keeps every slot.
 - The KV cache is Core ML state (two fp16 tensors), written at a runtime slot with slice
   updates; attention always reads the whole fixed-length cache under an additive mask, so every
   shape is static except the query length S, which takes a few enumerated values.
@@ -26,14 +43,16 @@ runs it in fp16. The states are fp16 in both.
 
 from __future__ import annotations
 
-from mirror_mlx.draft.coreml_package import PackageSpec, head_chunks
+from mirror_mlx.draft.coreml_package import Form, PackageSpec, head_chunks
 from mirror_mlx.draft.net import DraftConfig
+from mirror_mlx.errors import ModelLoadError
 
 import numpy as np
 import torch
 from torch import nn
 
 NORM_FLOOR = 1e-2  # keeps the divisor positive and eps / m^2 in fp16 range
+SANDWICH_SCALE = 2.0**-8  # gemma's residual stream in the package: room up to 1.6e7
 
 
 def conv(weight: np.ndarray, bias: np.ndarray | None = None) -> nn.Conv2d:
@@ -56,6 +75,14 @@ def with_rotation(w: np.ndarray, heads: int, head_dim: int) -> np.ndarray:
     return np.stack([w, rot], axis=1).reshape(heads * 2 * head_dim, *w.shape[2:])
 
 
+def inverse_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """1 / sqrt(mean(x^2) + eps) over the channels, as (1 / m) / sqrt(mean(xs^2) + eps / m^2)
+    for xs = x / m: x * x itself would overflow fp16 for activations of a few hundred."""
+    m = x.abs().amax(dim=1, keepdim=True) + NORM_FLOOR
+    xs = x / m
+    return torch.rsqrt(xs.square().mean(dim=1, keepdim=True) + eps / (m * m)) / m
+
+
 class RMSNorm(nn.Module):
     def __init__(self, weight: np.ndarray, eps: float):
         super().__init__()
@@ -63,7 +90,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x / rms(x) == xs / sqrt(mean(xs^2) + eps / m^2) for xs = x / m, any m > 0.
         m = x.abs().amax(dim=1, keepdim=True) + NORM_FLOOR
         xs = x / m
         return xs * torch.rsqrt(xs.square().mean(dim=1, keepdim=True) + self.eps / (m * m)) \
@@ -71,26 +97,50 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, c: DraftConfig, w: dict, prefix: str, layer: int):
+    def __init__(self, c: DraftConfig, w: dict, prefix: str, layer: int, scale: float,
+                 value_scale: float = 1.0):
         super().__init__()
         self.heads, self.kv, self.dim = c.num_heads, c.num_kv_heads, c.head_dim
         self.first = layer * c.num_kv_heads  # this layer's rows in the caches
-        scale = c.head_dim**-0.5
+        self.eps = c.rms_norm_eps
+        self.qk_norm = f"{prefix}q_norm.weight" in w
+        if self.qk_norm:  # the scale goes into the query norm's weight, after the norm
+            for name, factor in (("q_norm", scale), ("k_norm", 1.0)):
+                g = w[f"{prefix}{name}.weight"] * factor
+                half = c.head_dim // 2  # the copy's entry i is the head's entry i +- D/2
+                pair = np.concatenate([g, g[half:], g[:half]]).astype(np.float32)
+                self.register_buffer(name, torch.from_numpy(pair).reshape(1, -1, 1, 1))
+            scale = 1.0
 
         def rotated(name: str, heads: int, factor: float = 1.0) -> nn.Conv2d:
             bias = w.get(f"{prefix}{name}.bias")
             return conv(with_rotation(w[f"{prefix}{name}.weight"] * factor, heads, c.head_dim),
                         None if bias is None else with_rotation(bias * factor, heads, c.head_dim))
 
+        def scaled(name: str, factor: float) -> nn.Conv2d:
+            bias = w.get(f"{prefix}{name}.bias")
+            return conv(w[f"{prefix}{name}.weight"] * factor,
+                        None if bias is None else bias * factor)
+
         self.q_proj = rotated("q_proj", c.num_heads, scale)
         self.k_proj = rotated("k_proj", c.num_kv_heads)
-        self.v_proj = conv(w[f"{prefix}v_proj.weight"], w.get(f"{prefix}v_proj.bias"))
-        self.o_proj = conv(w[f"{prefix}o_proj.weight"], w.get(f"{prefix}o_proj.bias"))
+        self.v_proj = scaled("v_proj", value_scale)
+        self.o_proj = scaled("o_proj", 1.0)
+
+    def _normed(self, pair: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """A head and its rotated copy (1, 2D, 1, S), RMS-normed by the head's own RMS."""
+        return pair * inverse_rms(pair[:, : self.dim], self.eps) * weight
 
     def forward(self, x, cos, sin, mask, pos, k_cache, v_cache):
         D, kv, s = self.dim, self.kv, x.shape[3]
-        qs = self.q_proj(x).split(D, dim=1)
-        ks = self.k_proj(x).split(D, dim=1)
+        if self.qk_norm:
+            qs = [h for p in self.q_proj(x).split(2 * D, dim=1)
+                  for h in self._normed(p, self.q_norm).split(D, dim=1)]
+            ks = [h for p in self.k_proj(x).split(2 * D, dim=1)
+                  for h in self._normed(p, self.k_norm).split(D, dim=1)]
+        else:
+            qs = self.q_proj(x).split(D, dim=1)
+            ks = self.k_proj(x).split(D, dim=1)
         q = [qs[2 * h] * cos + qs[2 * h + 1] * sin for h in range(self.heads)]
         k = torch.cat([ks[2 * g] * cos + ks[2 * g + 1] * sin for g in range(kv)], dim=0)
         v = self.v_proj(x).reshape(kv, D, 1, s)
@@ -112,28 +162,53 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, w: dict, prefix: str):
+    def __init__(self, w: dict, prefix: str, activation: str, up_scale: float = 1.0):
         super().__init__()
         for name in ("gate_proj", "up_proj", "down_proj"):
-            setattr(self, name, conv(w[f"{prefix}{name}.weight"], w.get(f"{prefix}{name}.bias")))
+            factor = up_scale if name == "up_proj" else 1.0
+            bias = w.get(f"{prefix}{name}.bias")
+            setattr(self, name, conv(w[f"{prefix}{name}.weight"] * factor,
+                                     None if bias is None else bias * factor))
+        self.gelu = activation == "gelu_tanh"
 
     def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = self.gate_proj(x)
+        gate = (nn.functional.gelu(gate, approximate="tanh") if self.gelu
+                else nn.functional.silu(gate))
+        return self.down_proj(gate * self.up_proj(x))
 
 
 class Block(nn.Module):
-    def __init__(self, c: DraftConfig, w: dict, i: int):
+    def __init__(self, c: DraftConfig, form: Form, w: dict, i: int):
         super().__init__()
         p = f"layers.{i}."
-        self.self_attn = Attention(c, w, p + "self_attn.", i)
-        self.mlp = MLP(w, p + "mlp.")
-        self.input_layernorm = RMSNorm(w[p + "input_layernorm.weight"], c.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(w[p + "post_attention_layernorm.weight"],
-                                                c.rms_norm_eps)
+        self.rope, self.windowed = form.layer_rope[i], bool(form.layer_window[i])
+        self.sandwich = p + "pre_feedforward_layernorm.weight" in w
+        # Gemma's: the stream and the sublayers' outputs before their post-norms are carried
+        # at SANDWICH_SCALE (what reads them is an RMS norm, with its eps scaled alike).
+        s = SANDWICH_SCALE if self.sandwich else 1.0
+        eps = c.rms_norm_eps
+
+        def norm(name: str, factor: float = 1.0, eps: float = eps) -> RMSNorm:
+            return RMSNorm(w[p + name + ".weight"] * factor, eps)
+
+        self.self_attn = Attention(c, w, p + "self_attn.", i, form.layer_scale[i], s)
+        self.mlp = MLP(w, p + "mlp.", form.activation, s)
+        self.input_layernorm = norm("input_layernorm", eps=eps * s * s)
+        if self.sandwich:
+            self.post_attention_layernorm = norm("post_attention_layernorm", s, eps * s * s)
+            self.pre_feedforward_layernorm = norm("pre_feedforward_layernorm", eps=eps * s * s)
+            self.post_feedforward_layernorm = norm("post_feedforward_layernorm", s, eps * s * s)
+        else:
+            self.post_attention_layernorm = norm("post_attention_layernorm")
 
     def forward(self, x, cos, sin, mask, pos, k_cache, v_cache):
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, pos, k_cache, v_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        r = self.self_attn(self.input_layernorm(x), cos, sin, mask, pos, k_cache, v_cache)
+        if not self.sandwich:
+            h = x + r
+            return h + self.mlp(self.post_attention_layernorm(h))
+        h = x + self.post_attention_layernorm(r)
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
 
 
 class Features(nn.Module):
@@ -158,18 +233,24 @@ class Features(nn.Module):
 
 
 class ANEDraft(nn.Module):
-    """forward(embeds, rope_cos, rope_sin, mask, write_pos[, target_features, own_features,
-    from_target]) -> logits chunks[, top, fed]; the KV cache is the module's buffers `k_cache`
-    and `v_cache` (Core ML state)."""
+    """forward(embeds, rope_cos, rope_sin, mask, write_pos[, window_mask][, target_features,
+    own_features, from_target]) -> logits chunks[, top, fed]; the KV cache is the module's
+    buffers `k_cache` and `v_cache` (Core ML state)."""
 
     def __init__(self, spec: PackageSpec, weights: dict[str, np.ndarray]):
         super().__init__()
         spec.check()
-        c = self.config = spec.config
+        c, form = self.config, self.form = spec.config, spec.form
         self.in_proj = conv(weights["in_proj.weight"]) if "in_proj.weight" in weights else None
         self.features = Features(c, weights) if spec.reads_features else None
-        self.layers = nn.ModuleList(Block(c, weights, i) for i in range(c.num_layers))
-        self.norm = RMSNorm(weights["norm.weight"], c.rms_norm_eps)
+        self.windowed = bool(form.window)
+        self.layers = nn.ModuleList(Block(c, form, weights, i) for i in range(c.num_layers))
+        stream = SANDWICH_SCALE if any(layer.sandwich for layer in self.layers) else 1.0
+        if stream != 1.0 and self.features is not None:
+            raise ModelLoadError("a feature draft with gemma's norms is not exported: its "
+                                 "outputs would carry the package's scaled residual stream")
+        self.embed_scale = form.embed_scale * stream
+        self.norm = RMSNorm(weights["norm.weight"], c.rms_norm_eps * stream * stream)
         head = weights["embed_tokens.weight" if c.tie_head else "head.weight"]
         bias = weights.get("head.bias")
         bounds = np.cumsum([0, *head_chunks(c.head_size)])
@@ -181,12 +262,21 @@ class ANEDraft(nn.Module):
             self.register_buffer(name, torch.zeros(spec.state_shape(name), dtype=torch.float16))
         self.eval()
 
-    def forward(self, embeds, rope_cos, rope_sin, mask, write_pos, *features):
+    def forward(self, embeds, rope_cos, rope_sin, mask, write_pos, *rest):
+        window_mask = rest[0] if self.windowed else None
+        features = rest[1:] if self.windowed else rest
+        if self.embed_scale != 1.0:
+            embeds = embeds * self.embed_scale
         x = embeds if self.in_proj is None else self.in_proj(embeds)
         if self.features is not None:
             x, fed = self.features(x, *features)
         pos = write_pos[0]
+        D = self.config.head_dim
+        tables = [(rope_cos[:, r * D : (r + 1) * D], rope_sin[:, r * D : (r + 1) * D])
+                  for r in range(len(self.form.rope_freqs))]
         for layer in self.layers:
-            x = layer(x, rope_cos, rope_sin, mask, pos, self.k_cache, self.v_cache)
+            cos, sin = tables[layer.rope]
+            seen = window_mask if layer.windowed else mask
+            x = layer(x, cos, sin, seen, pos, self.k_cache, self.v_cache)
         logits = tuple(head(self.norm(x)) for head in self.heads)
         return logits + (x, fed) if self.features is not None else logits

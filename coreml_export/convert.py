@@ -12,12 +12,13 @@ from mirror_mlx.draft.coreml_draft import import_coremltools
 from mirror_mlx.draft.coreml_package import (
     PackageSpec,
     draft_weights,
+    form_of,
     query_sizes,
     source_sha256,
     weights_sha256,
 )
 from mirror_mlx.draft.net import DraftNet
-from mirror_mlx.errors import IncompatibleDraft, InvalidParameter
+from mirror_mlx.errors import InvalidParameter
 from mirror_mlx.progress import Progress
 
 import numpy as np
@@ -38,15 +39,13 @@ def package_spec(net: DraftNet, context: int, max_branch_tokens: int, source: st
     """The contract a package of `net` will have, and the weights it will hold."""
     if compress not in COMPRESSIONS:
         raise InvalidParameter(f"--compress must be one of {', '.join(COMPRESSIONS)}")
-    if net.unlike_llama:
-        raise IncompatibleDraft(
-            "the Core ML draft computes the plain llama form; this draft has "
-            f"{', '.join(net.unlike_llama)} (run it with MLX instead)")
+    form = form_of(net)
     weights = draft_weights(net)
     path = Path(source).expanduser()
     spec = PackageSpec(net.config, context, query_sizes(max_branch_tokens),
                        weights_sha256(weights), source,
-                       source_sha256(path) if source and path.exists() else "", compress)
+                       source_sha256(path) if source and path.exists() else "", compress,
+                       form=form)
     spec.check()
     return spec, weights
 

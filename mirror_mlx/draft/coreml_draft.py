@@ -38,8 +38,10 @@ from .coreml_package import (
     INPUT_HOLD_S,
     MASK_VALUE,
     STATES,
+    WINDOW_INPUT,
     PackageSpec,
     rope_tables,
+    window_visible,
 )
 from .load import vocab_fingerprint
 from .rollout import FED, OWN, TARGET, FeatureRefs, TreeState, run_job
@@ -119,9 +121,11 @@ class CoreMLExecutor:
             positions = range(positions, positions + n)
         c = self.spec.config
         embeds = self.embed(list(tokens))
-        cos, sin = rope_tables(np.asarray(positions), c.head_dim, c.rope_theta)
+        form = self.spec.form
+        cos, sin = rope_tables(np.asarray(positions), form)
         if mask is None:  # causal over the whole cache
             mask = np.arange(start + n)[None, :] <= start + np.arange(n)[:, None]
+        windowed = window_visible(mask, form.window) if form.window else None
         out = np.zeros((len(rows), c.head_size), np.float32)
         if features is not None:
             kinds, refs = np.array(features.kinds), np.array(features.refs)
@@ -145,6 +149,10 @@ class CoreMLExecutor:
             width = mask.shape[1]
             inputs["mask"].fill(MASK_VALUE)
             inputs["mask"][0, :width, 0, :take] = np.where(mask[part].T, 0.0, MASK_VALUE)
+            if windowed is not None:
+                inputs[WINDOW_INPUT].fill(MASK_VALUE)
+                inputs[WINDOW_INPUT][0, :width, 0, :take] = np.where(windowed[part].T, 0.0,
+                                                                     MASK_VALUE)
             # Padding tokens (take..s) attend nowhere and are written past the end: harmless.
             inputs["embeds"][..., take:] = 0.0
             inputs["write_pos"][0] = start + done
