@@ -41,6 +41,7 @@ from .coreml_package import (
     WINDOW_INPUT,
     PackageSpec,
     rope_tables,
+    unit_rms,
     window_visible,
 )
 from .load import vocab_fingerprint
@@ -178,12 +179,14 @@ class CoreMLExecutor:
         """Each token's feature for tokens done..done + take (padding after them reads
         nothing): the target's rows, or the vector the host keeps for it."""
         target, own, choose = (inputs[n][0, :, 0] for n in FEATURE_INPUTS)
+        parts = len(self.spec.config.feature_layers)
         target.fill(0.0)
         own.fill(0.0)
         choose.fill(0.0)
         for j, i in enumerate(range(done, done + take)):
             if kinds[i] == TARGET:
-                target[:, j] = features.target[refs[i]]
+                # In float32 here: the target's states may pass float16's range (unit_rms).
+                target[:, j] = unit_rms(np.asarray(features.target[refs[i]])[None], parts)[0]
                 choose[0, j] = 1.0
             elif kinds[i] == OWN:
                 own[:, j] = self.own[refs[i]]

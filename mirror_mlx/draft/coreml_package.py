@@ -39,6 +39,10 @@ input projection (when its width differs from the embedding's) is inside the pac
 Rotary angles are computed on the host in float64: in fp16 on the device, position * frequency
 loses the position's low bits beyond ~2048. A rope scaling (linear, llama3, yarn, ...) is only
 other frequencies, so the host's tables carry it, and the package needs none of its own.
+
+The host divides each of the target's hidden states by its root mean square (float32) before it
+enters the package: Gemma's pass float16's 65,504, and the package reads each through an RMS
+norm first, which that division does not change (see `unit_rms`).
 """
 
 from __future__ import annotations
@@ -383,3 +387,14 @@ def window_visible(visible: np.ndarray, window: int) -> np.ndarray:
     draft's windowed layers see them (net.windowed)."""
     return visible & (np.cumsum(visible[:, ::-1], axis=1)[:, ::-1] <= window)
 
+
+def unit_rms(rows: np.ndarray, parts: int) -> np.ndarray:
+    """Target feature rows (n, parts * F), each part divided by its root mean square in float32,
+    as training stores them (train/feature.py). The package reads each part through an RMS norm
+    first, which a positive factor leaves as it is up to that norm's eps (relative eps / 2 /
+    rms^2 here, far below float16's resolution for hidden states), and the rows then fit float16
+    (every entry within sqrt(F)), however far the target's states pass 65,504."""
+    n = rows.shape[0]
+    split = rows.astype(np.float32).reshape(n, parts, -1)
+    scale = 1.0 / np.sqrt(np.mean(split * split, axis=-1, keepdims=True) + 1e-12)
+    return (split * scale).reshape(n, -1)

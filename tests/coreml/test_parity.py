@@ -142,6 +142,41 @@ def test_feature_draft_matches_mlx(target):
     assert np.abs(mine - ref.own[:size]).max() <= 1e-2 * np.abs(mine).max()
 
 
+class Recording:
+    """A runtime that keeps the largest |target feature| it was given."""
+
+    def __init__(self, runtime):
+        self.runtime, self.largest = runtime, 0.0
+
+    def make_state(self):
+        return self.runtime.make_state()
+
+    def predict(self, inputs, state):
+        self.largest = max(self.largest, float(np.abs(inputs["target_features"]).max()))
+        return self.runtime.predict(inputs, state)
+
+
+def test_feature_draft_takes_states_past_float16(target):
+    """Gemma's hidden states pass float16's 65,504: the host divides each by its RMS before it
+    enters the package (which reads it through an RMS norm), so what the float16 package is
+    given fits, and the logits are those of the MLX draft fed the raw states."""
+    net = load_draft("default", target)
+    spec, weights = package_spec(net, 256, 8)
+    runtime = Recording(ReferenceModel(spec, weights))
+    pair = MLXExecutor(net), CoreMLExecutor(runtime, spec, mlx_embedding(net.embed_tokens))
+    C = target.tokenizer.encode(PROMPTS[0])
+    n = len(C)
+    rows = target_features(target, [np.array(C)], net.config.feature_layers)[0]
+    parts = len(net.config.feature_layers)
+    scale = np.repeat([3e5, 1.0, 2e6][:parts], net.config.feature_size).astype(np.float32)
+    rows = rows.astype(np.float32) * scale
+    assert np.abs(rows).max() > 65504
+    features = FeatureRefs([ZERO] + [TARGET] * (n - 1), [0, *range(n - 1)],
+                           [rows[i] for i in range(n - 1)])
+    close(*[ex.forward(C, 0, None, [n - 1], features) for ex in pair])
+    assert 1.0 < runtime.largest <= np.sqrt(net.config.feature_size)
+
+
 def test_query_sizes():
     assert query_sizes(1) == (1,)
     assert query_sizes(8) == (1, 2, 4, 8)
