@@ -30,6 +30,9 @@ Each ANE-specific choice is stated once, where it is made:
   residual stream outgrows fp16 (Gemma 3 270M's passes 65,504 from its 8th layer): every read
   of the stream is through an RMS norm and every write is post-normed, so the package carries
   the stream, and each sublayer's output before its post-norm, at SANDWICH_SCALE.
+- An EAGLE-3 head's first layer concatenates the normed embedding and the normed feature along
+  the channels (the layout's concat axis), so its q/k/v are 1x1 convolutions 2 x hidden wide;
+  the host hides key 0 in the mask, as it builds every mask.
 - A sliding-window layer reads the host's second mask (window_mask), the first one narrowed to
   the window: the host's tree mask already encodes what each token sees, and the window is a
   count along that (net.windowed), which the host computes exactly; the cache keeps every slot.
@@ -202,7 +205,17 @@ class Block(nn.Module):
         else:
             self.post_attention_layernorm = norm("post_attention_layernorm")
 
-    def forward(self, x, cos, sin, mask, pos, k_cache, v_cache):
+        # EAGLE-3's first layer: attention reads [normed embedding, normed feature].
+        self.hidden_norm = (norm("hidden_norm") if p + "hidden_norm.weight" in w else None)
+        self.norm_before_residual = form.norm_before_residual
+
+    def forward(self, x, cos, sin, mask, pos, k_cache, v_cache, feature=None):
+        if self.hidden_norm is not None:
+            normed = self.hidden_norm(feature)
+            r = self.self_attn(torch.cat([self.input_layernorm(x), normed], dim=1), cos, sin,
+                               mask, pos, k_cache, v_cache)
+            h = (normed if self.norm_before_residual else feature) + r
+            return h + self.mlp(self.post_attention_layernorm(h))
         r = self.self_attn(self.input_layernorm(x), cos, sin, mask, pos, k_cache, v_cache)
         if not self.sandwich:
             h = x + r
@@ -232,6 +245,28 @@ class Features(nn.Module):
         return self.mix(torch.cat([self.norm(fed), x], dim=1)), fed
 
 
+class EagleFeatures(nn.Module):
+    """An EAGLE-3 head's feature (draft/eagle3.py): the target's states, normed as the head
+    says and mapped by `fc`, or the host's own vector, chosen per token as in Features."""
+
+    def __init__(self, c: DraftConfig, w: dict):
+        super().__init__()
+        eps, count = c.rms_norm_eps, len(c.feature_layers)
+        self.input_norm = RMSNorm(w["input_norm.weight"], eps) if "input_norm.weight" in w \
+            else None
+        self.fc_norms = nn.ModuleList(RMSNorm(w[f"fc_norm.{i}.weight"], eps)
+                                      for i in range(count) if f"fc_norm.{i}.weight" in w)
+        self.size = c.feature_size
+        self.fc = conv(w["fc.weight"])
+
+    def forward(self, target_features, own_features, from_target):
+        x = target_features if self.input_norm is None else self.input_norm(target_features)
+        if len(self.fc_norms):
+            x = torch.cat([n(p) for n, p in zip(self.fc_norms, x.split(self.size, dim=1))],
+                          dim=1)
+        return from_target * self.fc(x) + (1 - from_target) * own_features
+
+
 class ANEDraft(nn.Module):
     """forward(embeds, rope_cos, rope_sin, mask, write_pos[, window_mask][, target_features,
     own_features, from_target]) -> logits chunks[, top, fed]; the KV cache is the module's
@@ -242,7 +277,9 @@ class ANEDraft(nn.Module):
         spec.check()
         c, form = self.config, self.form = spec.config, spec.form
         self.in_proj = conv(weights["in_proj.weight"]) if "in_proj.weight" in weights else None
-        self.features = Features(c, weights) if spec.reads_features else None
+        self.eagle3 = form.eagle3
+        self.features = (EagleFeatures(c, weights) if self.eagle3 else Features(c, weights)) \
+            if spec.reads_features else None
         self.windowed = bool(form.window)
         self.layers = nn.ModuleList(Block(c, form, weights, i) for i in range(c.num_layers))
         stream = SANDWICH_SCALE if any(layer.sandwich for layer in self.layers) else 1.0
@@ -250,7 +287,11 @@ class ANEDraft(nn.Module):
             raise ModelLoadError("a feature draft with gemma's norms is not exported: its "
                                  "outputs would carry the package's scaled residual stream")
         self.embed_scale = form.embed_scale * stream
-        self.norm = RMSNorm(weights["norm.weight"], c.rms_norm_eps * stream * stream)
+        # An EAGLE-3 head may have no final norm, or apply it to what it feeds itself (`top`).
+        self.norm = RMSNorm(weights["norm.weight"], c.rms_norm_eps * stream * stream) \
+            if "norm.weight" in weights else nn.Identity()
+        self.out_norm = RMSNorm(weights["out_norm.weight"], c.rms_norm_eps) \
+            if "out_norm.weight" in weights else nn.Identity()
         head = weights["embed_tokens.weight" if c.tie_head else "head.weight"]
         bias = weights.get("head.bias")
         bounds = np.cumsum([0, *head_chunks(c.head_size)])
@@ -268,7 +309,10 @@ class ANEDraft(nn.Module):
         if self.embed_scale != 1.0:
             embeds = embeds * self.embed_scale
         x = embeds if self.in_proj is None else self.in_proj(embeds)
-        if self.features is not None:
+        fed = None
+        if self.eagle3:
+            fed = self.features(*features)
+        elif self.features is not None:
             x, fed = self.features(x, *features)
         pos = write_pos[0]
         D = self.config.head_dim
@@ -277,6 +321,7 @@ class ANEDraft(nn.Module):
         for layer in self.layers:
             cos, sin = tables[layer.rope]
             seen = window_mask if layer.windowed else mask
-            x = layer(x, cos, sin, seen, pos, self.k_cache, self.v_cache)
+            x = layer(x, cos, sin, seen, pos, self.k_cache, self.v_cache, fed)
+        x = self.out_norm(x)
         logits = tuple(head(self.norm(x)) for head in self.heads)
         return logits + (x, fed) if self.features is not None else logits

@@ -127,6 +127,11 @@ class CoreMLExecutor:
         if mask is None:  # causal over the whole cache
             mask = np.arange(start + n)[None, :] <= start + np.arange(n)[:, None]
         windowed = window_visible(mask, form.window) if form.window else None
+        if form.eagle3 and (start or positions[0] == 0):
+            # An EAGLE-3 head hides key 0 (position 0's, which never had a feature) from every
+            # later token (eagle3._without_first).
+            mask = mask.copy()
+            mask[np.asarray(positions) > 0, 0] = False
         out = np.zeros((len(rows), c.head_size), np.float32)
         if features is not None:
             kinds, refs = np.array(features.kinds), np.array(features.refs)
@@ -179,14 +184,15 @@ class CoreMLExecutor:
         """Each token's feature for tokens done..done + take (padding after them reads
         nothing): the target's rows, or the vector the host keeps for it."""
         target, own, choose = (inputs[n][0, :, 0] for n in FEATURE_INPUTS)
-        parts = len(self.spec.config.feature_layers)
+        parts = self.spec.feature_parts
         target.fill(0.0)
         own.fill(0.0)
         choose.fill(0.0)
         for j, i in enumerate(range(done, done + take)):
             if kinds[i] == TARGET:
                 # In float32 here: the target's states may pass float16's range (unit_rms).
-                target[:, j] = unit_rms(np.asarray(features.target[refs[i]])[None], parts)[0]
+                row = np.asarray(features.target[refs[i]])
+                target[:, j] = unit_rms(row[None], parts)[0] if parts else row
                 choose[0, j] = 1.0
             elif kinds[i] == OWN:
                 own[:, j] = self.own[refs[i]]

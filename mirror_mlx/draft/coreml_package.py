@@ -31,6 +31,10 @@ output at an earlier slot, or what a slot was fed), as draft/rollout.py's Featur
                                     token's feature where the target's is not known
            fed   fp16 (1, H, 1, S)  the feature each token was fed (to feed it again later)
 
+An EAGLE-3 head (Form.eagle3) has the same inputs and outputs: its feature is its `fc` of the
+target's states (or the host's vector), read by its first layer beside the embedding; the host
+hides key 0 from later tokens in `mask`, as the head's MLX form does.
+
 The embedding lookup happens on the host, in MLX, from the target's own table: the draft reads
 the target's embedding (49152 x 576 for the default target), so doing the lookup in the package
 would duplicate 56 MB of weights and put a large gather on the Neural Engine. The draft's own
@@ -118,6 +122,15 @@ class Form:
     layer_window: list[int]  # per layer: its sliding window, 0 for none
     activation: str = "silu"  # the MLP's gate: silu, or gelu_tanh (gemma)
     embed_scale: float = 1.0  # what the input embeddings are multiplied by (gemma)
+    # An EAGLE-3 head (draft/eagle3.py): its first layer reads the embedding beside the feature,
+    # key 0 is hidden from later tokens, and the residual starts from the feature (normed
+    # first with `norm_before_residual`); its feature norms and output norms are in the weights.
+    eagle3: bool = False
+    norm_before_residual: bool = False
+    # The package's first operation on the target's features: an RMS norm of each layer's
+    # (layers), of the whole row (whole: speculators' norm_before_fc), or none (a head that
+    # reads them through `fc` alone).
+    feature_norm: str = "layers"
 
     @staticmethod
     def plain(c: DraftConfig) -> Form:
@@ -155,11 +168,10 @@ def _rotary(rotate: nn.Module, head_dim: int) -> tuple[list[float], float] | str
 def form_of(net: DraftNet) -> Form:
     """The form a package of `net` computes; IncompatibleDraft names what it cannot."""
     why: list[str] = []
-    if net.layers and "hidden_norm" in net.layers[0]:
-        why.append("EAGLE-3's first layer (attention over the embedding beside the feature, "
-                   "2 x hidden wide, and a residual stream that starts from the feature): the "
-                   "package's feature path is the project's own (a fusion mixed into the "
-                   "embedding)")
+    eagle3 = bool(net.layers) and "hidden_norm" in net.layers[0]
+    if not net.config.shared_embedding:
+        why.append("an input embedding of its own (the host gives the package the target's "
+                   "rows)")
     tables: list[list[float]] = []
     layer_rope, layer_scale, layer_window, activations = [], [], [], set()
     for layer in net.layers:
@@ -194,7 +206,10 @@ def form_of(net: DraftNet) -> Form:
                                 + ", ".join(dict.fromkeys(why)) + " (run it with MLX instead)")
     scale = net._embed_scale
     return Form(tables, layer_rope, layer_scale, layer_window, activations.pop(),
-                1.0 if scale is None else float(scale.astype(mx.float32).item()))
+                1.0 if scale is None else float(scale.astype(mx.float32).item()), eagle3,
+                eagle3 and net.layers[0].norm_before_residual,
+                "whole" if "input_norm" in net else "layers" if "fc_norm" in net or not eagle3
+                else "none")
 
 
 @dataclass
@@ -223,6 +238,13 @@ class PackageSpec:
     @property
     def reads_features(self) -> bool:
         return bool(self.config.feature_layers)
+
+    @property
+    def feature_parts(self) -> int:
+        """Into how many parts the host divides a target feature row, each by its RMS (see
+        `unit_rms`): what the package's first RMS norm on the row reads (0: it has none)."""
+        return {"layers": len(self.config.feature_layers), "whole": 1, "none": 0}[
+            self.form.feature_norm]
 
     @property
     def inputs(self) -> tuple[str, ...]:
