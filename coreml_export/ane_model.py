@@ -33,6 +33,8 @@ Each ANE-specific choice is stated once, where it is made:
 - An EAGLE-3 head's first layer concatenates the normed embedding and the normed feature along
   the channels (the layout's concat axis), so its q/k/v are 1x1 convolutions 2 x hidden wide;
   the host hides key 0 in the mask, as it builds every mask.
+- Gemma 2's soft caps, cap * tanh(x / cap), are a tanh (a Neural Engine op) and a multiply,
+  with 1 / cap folded into the query weights (attention) or the head's (logits).
 - A sliding-window layer reads the host's second mask (window_mask), the first one narrowed to
   the window: the host's tree mask already encodes what each token sees, and the window is a
   count along that (net.windowed), which the host computes exactly; the cache keeps every slot.
@@ -101,9 +103,12 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     def __init__(self, c: DraftConfig, w: dict, prefix: str, layer: int, scale: float,
-                 value_scale: float = 1.0):
+                 value_scale: float = 1.0, cap: float = 0.0):
         super().__init__()
         self.heads, self.kv, self.dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.cap = cap
+        if cap:
+            scale /= cap
         self.first = layer * c.num_kv_heads  # this layer's rows in the caches
         self.eps = c.rms_norm_eps
         self.qk_norm = f"{prefix}q_norm.weight" in w
@@ -156,7 +161,10 @@ class Attention(nn.Module):
             keys = k_cache[self.first + g : self.first + g + 1].to(x.dtype)  # (1, L, 1, D)
             values = v_cache[self.first + g : self.first + g + 1].to(x.dtype).reshape(1, 1, L, D)
             for h in range(g * self.heads // kv, (g + 1) * self.heads // kv):
-                scores = torch.einsum("bkhc,bchq->bkhq", keys, q[h]) + mask  # (1, L, 1, S)
+                scores = torch.einsum("bkhc,bchq->bkhq", keys, q[h])  # (1, L, 1, S)
+                if self.cap:
+                    scores = torch.tanh(scores) * self.cap
+                scores = scores + mask
                 weights = torch.softmax(scores, dim=1).reshape(1, 1, L, s)
                 # values^T @ weights: coremltools lowers this einsum to matmul(transpose_x).
                 summed = torch.einsum("bhkc,bhkq->bhcq", values, weights)  # (1, 1, D, S)
@@ -195,7 +203,8 @@ class Block(nn.Module):
         def norm(name: str, factor: float = 1.0, eps: float = eps) -> RMSNorm:
             return RMSNorm(w[p + name + ".weight"] * factor, eps)
 
-        self.self_attn = Attention(c, w, p + "self_attn.", i, form.layer_scale[i], s)
+        self.self_attn = Attention(c, w, p + "self_attn.", i, form.layer_scale[i], s,
+                                   form.attention_cap)
         self.mlp = MLP(w, p + "mlp.", form.activation, s)
         self.input_layernorm = norm("input_layernorm", eps=eps * s * s)
         if self.sandwich:
@@ -295,6 +304,10 @@ class ANEDraft(nn.Module):
         head = weights["embed_tokens.weight" if c.tie_head else "head.weight"]
         bias = weights.get("head.bias")
         bounds = np.cumsum([0, *head_chunks(c.head_size)])
+        self.logit_cap = form.logit_cap
+        if self.logit_cap:
+            head = head / self.logit_cap
+            bias = None if bias is None else bias / self.logit_cap
         # The Neural Engine limits every dimension to 16384: a larger head is split in chunks.
         self.heads = nn.ModuleList(
             conv(head[a:b], None if bias is None else bias[a:b])
@@ -323,5 +336,8 @@ class ANEDraft(nn.Module):
             seen = window_mask if layer.windowed else mask
             x = layer(x, cos, sin, seen, pos, self.k_cache, self.v_cache, fed)
         x = self.out_norm(x)
-        logits = tuple(head(self.norm(x)) for head in self.heads)
+        x_normed = self.norm(x)
+        logits = tuple(head(x_normed) for head in self.heads)
+        if self.logit_cap:
+            logits = tuple(torch.tanh(chunk) * self.logit_cap for chunk in logits)
         return logits + (x, fed) if self.features is not None else logits

@@ -131,6 +131,8 @@ class Form:
     # (layers), of the whole row (whole: speculators' norm_before_fc), or none (a head that
     # reads them through `fc` alone).
     feature_norm: str = "layers"
+    attention_cap: float = 0.0  # gemma 2's soft cap on attention scores (cap * tanh(s / cap))
+    logit_cap: float = 0.0  # gemma 2's soft cap on the final logits
 
     @staticmethod
     def plain(c: DraftConfig) -> Form:
@@ -189,16 +191,15 @@ def form_of(net: DraftNet) -> Form:
         layer_window.append(attn.window or 0)
         if "qkv_proj" in attn:
             why.append("a fused qkv projection")
-        if attn.softcap:
-            why.append("attention logit soft-capping (gemma 2)")
         if "gate_up_proj" in mlp:
             why.append("a fused gate/up projection")
         kind = ACTIVATIONS.get(type(mlp).__module__)
         if kind is None:
             why.append(f"an MLP of {type(mlp).__module__}")
         activations.add(kind)
-    if net._logit_cap:
-        why.append("final logit soft-capping (gemma 2)")
+    caps = {float(layer.self_attn.softcap) for layer in net.layers}
+    if len(caps) > 1:
+        why.append("attention soft caps that differ by layer")
     if len({w for w in layer_window if w}) > 1:
         why.append("sliding windows of several sizes")
     if why:
@@ -209,7 +210,7 @@ def form_of(net: DraftNet) -> Form:
                 1.0 if scale is None else float(scale.astype(mx.float32).item()), eagle3,
                 eagle3 and net.layers[0].norm_before_residual,
                 "whole" if "input_norm" in net else "layers" if "fc_norm" in net or not eagle3
-                else "none")
+                else "none", max(caps, default=0.0), float(net._logit_cap))
 
 
 @dataclass

@@ -9,7 +9,8 @@ Two checks per draft. With the cache unrounded (float32 state), the module compu
 MLX draft does up to float32 rounding (measured: at most 1e-4 for logits up to ~21): this
 holds each family's layout to the model. With the package's fp16 cache, the best token agrees
 everywhere and the logits move by the cache's rounding, which these peaked random models
-amplify (measured: up to 1.2% of the largest |logit|, gemma 3; 0.5% for the others).
+amplify (measured: up to 1.2% of the largest |logit|, gemma 3; 0.5% for the others; 0.25% for
+gemma 2, whose logits are capped at 8 here).
 """
 
 import importlib
@@ -42,6 +43,7 @@ DRAFTS = {
     "qwen3": ("qwen3", {}),
     "qwen2": ("qwen2", {}),
     "gemma3_text": ("gemma3_text", {}),
+    "gemma2": ("gemma2", dict(attn_logit_softcapping=2.0, final_logit_softcapping=8.0)),
 }
 
 
