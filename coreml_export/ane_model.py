@@ -95,6 +95,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x / rms(x) == xs / sqrt(mean(xs^2) + eps / m^2) for xs = x / m, any m > 0.
         m = x.abs().amax(dim=1, keepdim=True) + NORM_FLOOR
         xs = x / m
         return xs * torch.rsqrt(xs.square().mean(dim=1, keepdim=True) + self.eps / (m * m)) \
@@ -213,9 +214,8 @@ class Block(nn.Module):
             self.post_feedforward_layernorm = norm("post_feedforward_layernorm", s, eps * s * s)
         else:
             self.post_attention_layernorm = norm("post_attention_layernorm")
-
         # EAGLE-3's first layer: attention reads [normed embedding, normed feature].
-        self.hidden_norm = (norm("hidden_norm") if p + "hidden_norm.weight" in w else None)
+        self.hidden_norm = norm("hidden_norm") if p + "hidden_norm.weight" in w else None
         self.norm_before_residual = form.norm_before_residual
 
     def forward(self, x, cos, sin, mask, pos, k_cache, v_cache, feature=None):

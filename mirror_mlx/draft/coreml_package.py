@@ -45,8 +45,8 @@ loses the position's low bits beyond ~2048. A rope scaling (linear, llama3, yarn
 other frequencies, so the host's tables carry it, and the package needs none of its own.
 
 The host divides each of the target's hidden states by its root mean square (float32) before it
-enters the package: Gemma's pass float16's 65,504, and the package reads each through an RMS
-norm first, which that division does not change (see `unit_rms`).
+enters the package, where the package reads them through an RMS norm first (Form.feature_norm),
+which that division does not change: Gemma's pass float16's 65,504 (see `unit_rms`).
 """
 
 from __future__ import annotations
@@ -206,11 +206,15 @@ def form_of(net: DraftNet) -> Form:
         raise IncompatibleDraft("the Core ML draft cannot compute "
                                 + ", ".join(dict.fromkeys(why)) + " (run it with MLX instead)")
     scale = net._embed_scale
+    if not eagle3:
+        feature_norm = "layers"  # feature_norms (net.py)
+    else:
+        feature_norm = ("whole" if "input_norm" in net else "layers" if "fc_norm" in net
+                        else "none")
     return Form(tables, layer_rope, layer_scale, layer_window, activations.pop(),
                 1.0 if scale is None else float(scale.astype(mx.float32).item()), eagle3,
-                eagle3 and net.layers[0].norm_before_residual,
-                "whole" if "input_norm" in net else "layers" if "fc_norm" in net or not eagle3
-                else "none", max(caps, default=0.0), float(net._logit_cap))
+                eagle3 and net.layers[0].norm_before_residual, feature_norm,
+                max(caps, default=0.0), float(net._logit_cap))
 
 
 @dataclass
