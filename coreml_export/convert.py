@@ -12,12 +12,13 @@ from mirror_mlx.draft.coreml_draft import import_coremltools
 from mirror_mlx.draft.coreml_package import (
     PackageSpec,
     draft_weights,
+    form_of,
     query_sizes,
     source_sha256,
     weights_sha256,
 )
 from mirror_mlx.draft.net import DraftNet
-from mirror_mlx.errors import IncompatibleDraft, InvalidParameter
+from mirror_mlx.errors import InvalidParameter
 from mirror_mlx.progress import Progress
 
 import numpy as np
@@ -31,6 +32,14 @@ COMPRESSIONS = ("none", "int8", "palettize4", "palettize6", "palettize8")
 # or more (smaller ones would need scikit-learn); smaller tensors stay fp16.
 PALETTIZE_MIN_WEIGHTS = 10_000
 STAGES = 5  # progress: weights, trace, convert, compress, save
+# Every draft package is stateful (its KV cache). coremltools #2716 (open): a 4-bit palettized
+# stateful package built with coremltools 9.0 crashed (segfault in predict) on the Neural
+# Engine after ~100-200 predictions, and the same source built with 8.3 did not; the cause is
+# not known, so 6 and 8 bits, built the same way, are not known to be safe either. Until a Mac
+# shows otherwise: palettize4 is refused without an explicit opt-in, 6 and 8 bits warn.
+PALETTE_RISK = ("palettized stateful packages built with coremltools 9.0 crashed on the Neural "
+                "Engine after ~100-200 predictions (coremltools #2716, reported for 4-bit "
+                "palettes; 6 and 8 bits are built the same way and not known to be safe)")
 
 
 def package_spec(net: DraftNet, context: int, max_branch_tokens: int, source: str = "",
@@ -38,15 +47,13 @@ def package_spec(net: DraftNet, context: int, max_branch_tokens: int, source: st
     """The contract a package of `net` will have, and the weights it will hold."""
     if compress not in COMPRESSIONS:
         raise InvalidParameter(f"--compress must be one of {', '.join(COMPRESSIONS)}")
-    if net.unlike_llama:
-        raise IncompatibleDraft(
-            "the Core ML draft computes the plain llama form; this draft has "
-            f"{', '.join(net.unlike_llama)} (run it with MLX instead)")
+    form = form_of(net)
     weights = draft_weights(net)
     path = Path(source).expanduser()
     spec = PackageSpec(net.config, context, query_sizes(max_branch_tokens),
                        weights_sha256(weights), source,
-                       source_sha256(path) if source and path.exists() else "", compress)
+                       source_sha256(path) if source and path.exists() else "", compress,
+                       form=form)
     spec.check()
     return spec, weights
 
@@ -122,19 +129,36 @@ def compress(model, how: str):
     return cto.palettize_weights(model, cto.OptimizationConfig(global_config=op))
 
 
+def check_palette(compress: str, allow_palettized_state: bool, warn: bool = True) -> None:
+    """Refuse palettize4 without the opt-in, and warn on any palette (PALETTE_RISK)."""
+    if not compress.startswith("palettize"):
+        return
+    if compress == "palettize4" and not allow_palettized_state:
+        raise InvalidParameter(f"--compress palettize4: {PALETTE_RISK}; use int8 (6 and 8 bits "
+                               "export with a warning), or pass --allow-palettized-state to "
+                               "export it anyway")
+    if warn:
+        warnings.warn(f"--compress {compress}: {PALETTE_RISK}; int8 is the safe choice until a "
+                      "Mac shows otherwise", stacklevel=3)
+
+
 def export_draft(net: DraftNet, out: str | Path, *, source: str = "", context: int = 2048,
-                 max_branch_tokens: int = 32, compress: str = "none", quiet: bool = False):
+                 max_branch_tokens: int = 32, compress: str = "none", quiet: bool = False,
+                 allow_palettized_state: bool = False):
     """`mirror-mlx export-draft`: returns the package's PackageSpec."""
+    check_palette(compress, allow_palettized_state)
     spec, weights = package_spec(net, context, max_branch_tokens, source, compress)
     convert(spec, weights, out, quiet)
     return spec
 
 
 def export_command(model: str | None, draft: str | None, out: str, *, context: int,
-                   max_branch_tokens: int, compress: str) -> list[str]:
+                   max_branch_tokens: int, compress: str,
+                   allow_palettized_state: bool = False) -> list[str]:
     """Load the target and its draft, export the draft, and describe the package."""
     if not out.endswith(".mlpackage"):
         raise InvalidParameter(f"{out}: the output must end in .mlpackage")
+    check_palette(compress, allow_palettized_state, warn=False)  # before loading anything
     from mirror_mlx.draft.load import load_draft
     from mirror_mlx.models.load import load
 
@@ -146,5 +170,5 @@ def export_command(model: str | None, draft: str | None, out: str, *, context: i
     if Path(source).expanduser().exists():  # the backend may load it from elsewhere
         source = str(Path(source).expanduser().resolve())
     export_draft(net, out, source=source, context=context, max_branch_tokens=max_branch_tokens,
-                 compress=compress)
+                 compress=compress, allow_palettized_state=allow_palettized_state)
     return inspect_command(out)

@@ -36,8 +36,8 @@ from .ane_model import ANEDraft
 
 
 class ReferenceState:
-    def __init__(self, spec: PackageSpec):
-        self.tensors = {name: torch.zeros(spec.state_shape(name), dtype=torch.float16)
+    def __init__(self, spec: PackageSpec, dtype: torch.dtype = torch.float16):
+        self.tensors = {name: torch.zeros(spec.state_shape(name), dtype=dtype)
                         for name in STATES}
 
     def read_state(self, name: str) -> np.ndarray:
@@ -56,8 +56,13 @@ class ReferenceState:
 
 
 class ReferenceModel:
-    def __init__(self, spec: PackageSpec, weights: dict[str, np.ndarray]):
-        self.spec = spec
+    """`state_dtype` float32 (tests only) keeps the KV cache unrounded: the module then computes
+    what the MLX draft does up to float32 rounding, which isolates the layout's math from the
+    package's fp16 cache."""
+
+    def __init__(self, spec: PackageSpec, weights: dict[str, np.ndarray],
+                 state_dtype: torch.dtype = torch.float16):
+        self.spec, self.state_dtype = spec, state_dtype
         self.module = ANEDraft(spec, weights)
         # A call is hundreds of tiny ops: torch's intra-op threads only add overhead there, and
         # contend with MLX's. (Process-wide; the reference is for tests and Linux checks.)
@@ -73,7 +78,7 @@ class ReferenceModel:
         return ReferenceModel(spec, weights)
 
     def make_state(self) -> ReferenceState:
-        return ReferenceState(self.spec)
+        return ReferenceState(self.spec, self.state_dtype)
 
     def predict(self, inputs: dict[str, np.ndarray], state: ReferenceState) \
             -> dict[str, np.ndarray]:

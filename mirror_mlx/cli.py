@@ -191,7 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most tokens one call takes (query lengths 1, 2, 4, ... up to this)")
     p.add_argument("--compress", default="none",
                    choices=("none", "int8", "palettize4", "palettize6", "palettize8"),
-                   help="weight compression: int8 per channel, or k-means palettes of N bits")
+                   help="weight compression: int8 per channel, or k-means palettes of N bits "
+                        "(palettes warn: coremltools #2716)")
+    p.add_argument("--allow-palettized-state", action="store_true",
+                   help="export palettize4 although 4-bit palettized stateful packages crashed "
+                        "on the Neural Engine (coremltools #2716)")
 
     p = sub.add_parser("inspect", help="list a Core ML package's inputs, outputs, states, ops "
                                        "and Neural Engine warnings")
@@ -388,7 +392,8 @@ def cmd_export_draft(args) -> None:
                           f"'mirror-mlx[export]' ({e})") from e
     print("\n".join(export_command(args.model, args.draft, args.out, context=args.context,
                                    max_branch_tokens=args.max_branch_tokens,
-                                   compress=args.compress)))
+                                   compress=args.compress,
+                                   allow_palettized_state=args.allow_palettized_state)))
 
 
 def cmd_inspect(args) -> None:

@@ -38,8 +38,11 @@ from .coreml_package import (
     INPUT_HOLD_S,
     MASK_VALUE,
     STATES,
+    WINDOW_INPUT,
     PackageSpec,
     rope_tables,
+    unit_rms,
+    window_visible,
 )
 from .load import vocab_fingerprint
 from .rollout import FED, OWN, TARGET, FeatureRefs, TreeState, run_job
@@ -119,9 +122,16 @@ class CoreMLExecutor:
             positions = range(positions, positions + n)
         c = self.spec.config
         embeds = self.embed(list(tokens))
-        cos, sin = rope_tables(np.asarray(positions), c.head_dim, c.rope_theta)
+        form = self.spec.form
+        cos, sin = rope_tables(np.asarray(positions), form)
         if mask is None:  # causal over the whole cache
             mask = np.arange(start + n)[None, :] <= start + np.arange(n)[:, None]
+        windowed = window_visible(mask, form.window) if form.window else None
+        if form.eagle3 and (start or positions[0] == 0):
+            # An EAGLE-3 head hides key 0 (position 0's, which never had a feature) from every
+            # later token (eagle3._without_first).
+            mask = mask.copy()
+            mask[np.asarray(positions) > 0, 0] = False
         out = np.zeros((len(rows), c.head_size), np.float32)
         if features is not None:
             kinds, refs = np.array(features.kinds), np.array(features.refs)
@@ -145,6 +155,10 @@ class CoreMLExecutor:
             width = mask.shape[1]
             inputs["mask"].fill(MASK_VALUE)
             inputs["mask"][0, :width, 0, :take] = np.where(mask[part].T, 0.0, MASK_VALUE)
+            if windowed is not None:
+                inputs[WINDOW_INPUT].fill(MASK_VALUE)
+                inputs[WINDOW_INPUT][0, :width, 0, :take] = np.where(windowed[part].T, 0.0,
+                                                                     MASK_VALUE)
             # Padding tokens (take..s) attend nowhere and are written past the end: harmless.
             inputs["embeds"][..., take:] = 0.0
             inputs["write_pos"][0] = start + done
@@ -170,12 +184,15 @@ class CoreMLExecutor:
         """Each token's feature for tokens done..done + take (padding after them reads
         nothing): the target's rows, or the vector the host keeps for it."""
         target, own, choose = (inputs[n][0, :, 0] for n in FEATURE_INPUTS)
+        parts = self.spec.feature_parts
         target.fill(0.0)
         own.fill(0.0)
         choose.fill(0.0)
         for j, i in enumerate(range(done, done + take)):
             if kinds[i] == TARGET:
-                target[:, j] = features.target[refs[i]]
+                # In float32 here: the target's states may pass float16's range (unit_rms).
+                row = np.asarray(features.target[refs[i]])
+                target[:, j] = unit_rms(row[None], parts)[0] if parts else row
                 choose[0, j] = 1.0
             elif kinds[i] == OWN:
                 own[:, j] = self.own[refs[i]]

@@ -2,6 +2,7 @@
 relies on: inputs, enumerated shapes, fp16 states, outputs, metadata, ops; and the CLI around
 export and inspection."""
 
+import warnings
 from collections import Counter
 from dataclasses import replace
 
@@ -22,7 +23,7 @@ from mirror_mlx.platform import coreml_can_run
 import coremltools as ct
 import pytest
 
-from coreml_export.convert import compress, export_draft
+from coreml_export.convert import check_palette, compress, export_draft
 from coreml_export.inspect import inspect_package
 from coreml_export.reference import ReferenceModel
 from tests.coreml.conftest import CONTEXT
@@ -112,6 +113,26 @@ def test_cli_errors(tmp_path, capsys):
     assert len(err.strip().splitlines()) == 1
     assert main(["export-draft", "--draft", "self:1", "--out", str(tmp_path / "x.onnx")]) == 1
     assert "must end in .mlpackage" in capsys.readouterr().err
+
+
+def test_palettes_of_stateful_packages_warn_or_need_an_opt_in(small_draft, tmp_path, capsys):
+    """coremltools #2716: 4-bit palettized stateful packages crashed on the Neural Engine. Every
+    draft package is stateful: export-draft refuses palettize4 (before loading anything)
+    unless opted in, and warns on any palette."""
+    assert main(["export-draft", "--draft", "self:1", "--out", str(tmp_path / "x.mlpackage"),
+                 "--compress", "palettize4"]) == 1
+    err = capsys.readouterr().err
+    assert "#2716" in err and "--allow-palettized-state" in err
+    with pytest.raises(InvalidParameter, match="#2716"):
+        export_draft(small_draft, tmp_path / "x.mlpackage", compress="palettize4", quiet=True)
+    assert not (tmp_path / "x.mlpackage").exists()
+    for how, allowed in (("palettize4", True), ("palettize6", False), ("palettize8", False)):
+        with pytest.warns(UserWarning, match="#2716"):
+            check_palette(how, allowed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_palette("int8", False)
+        check_palette("none", False)
 
 
 def test_state_sizes_the_neural_engine_runs(small_draft, capsys):

@@ -115,7 +115,12 @@ def test_feature_draft_matches_mlx(target):
     chained within one call, a slot's earlier feature fed again, and after slots move."""
     net = load_draft("default", target)
     assert net.reads_features
-    mlx_ex, ref = executors(net)
+    feature_scenario(net, *executors(net), target, close)
+
+
+def feature_scenario(net, mlx_ex, ref, target, check, own_relative: float = 1e-2) -> None:
+    """The same feature-fed calls on the MLX executor and a package's, comparing logits with
+    `check`, and the drafts' own outputs within `own_relative` of their largest."""
     pair = (mlx_ex, ref)
     C = target.tokenizer.encode(PROMPTS[0] + " " + PROMPTS[1])
     n = len(C)
@@ -127,19 +132,54 @@ def test_feature_draft_matches_mlx(target):
         return [ex.forward(tokens, positions, mask, out_rows, features) for ex in pair]
 
     # The prompt: token p reads the target's features after p - 1 (none for the first).
-    close(*both(C, 0, None, [n - 1], [ZERO] + [TARGET] * (n - 1), [0, *range(n - 1)],
+    check(*both(C, 0, None, [n - 1], [ZERO] + [TARGET] * (n - 1), [0, *range(n - 1)],
                  range(n - 1)))
     # Three drafted tokens in one call, each reading the draft's own output before it.
-    close(*both([11, 12, 13], n, None, [0, 1, 2], [OWN] * 3, [n - 1, n, n + 1]))
+    check(*both([11, 12, 13], n, None, [0, 1, 2], [OWN] * 3, [n - 1, n, n + 1]))
     # A token fed again at a new slot, with what slot n - 2 was fed (the target's features).
-    close(*both([C[-2]], n + 3, None, [0], [FED], [n - 2]))
+    check(*both([C[-2]], n + 3, None, [0], [FED], [n - 2]))
     # The drafted tokens' slots move back beside the prompt; a token reads the last one's own.
     for ex in pair:
         ex.gather(n, [n, n + 1])
-    close(*both([14], n + 2, None, [0], [OWN], [n + 1]))
+    check(*both([14], n + 2, None, [0], [OWN], [n + 1]))
     size = n + 3
     mine = np.array(mlx_ex.own[:size])
-    assert np.abs(mine - ref.own[:size]).max() <= 1e-2 * np.abs(mine).max()
+    assert np.abs(mine - ref.own[:size]).max() <= own_relative * np.abs(mine).max()
+
+
+class Recording:
+    """A runtime that keeps the largest |target feature| it was given."""
+
+    def __init__(self, runtime):
+        self.runtime, self.largest = runtime, 0.0
+
+    def make_state(self):
+        return self.runtime.make_state()
+
+    def predict(self, inputs, state):
+        self.largest = max(self.largest, float(np.abs(inputs["target_features"]).max()))
+        return self.runtime.predict(inputs, state)
+
+
+def test_feature_draft_takes_states_past_float16(target):
+    """Gemma's hidden states pass float16's 65,504: the host divides each by its RMS before it
+    enters the package (which reads it through an RMS norm), so what the float16 package is
+    given fits, and the logits are those of the MLX draft fed the raw states."""
+    net = load_draft("default", target)
+    spec, weights = package_spec(net, 256, 8)
+    runtime = Recording(ReferenceModel(spec, weights))
+    pair = MLXExecutor(net), CoreMLExecutor(runtime, spec, mlx_embedding(net.embed_tokens))
+    C = target.tokenizer.encode(PROMPTS[0])
+    n = len(C)
+    rows = target_features(target, [np.array(C)], net.config.feature_layers)[0]
+    parts = len(net.config.feature_layers)
+    scale = np.repeat([3e5, 1.0, 2e6][:parts], net.config.feature_size).astype(np.float32)
+    rows = rows.astype(np.float32) * scale
+    assert np.abs(rows).max() > 65504
+    features = FeatureRefs([ZERO] + [TARGET] * (n - 1), [0, *range(n - 1)],
+                           [rows[i] for i in range(n - 1)])
+    close(*[ex.forward(C, 0, None, [n - 1], features) for ex in pair])
+    assert 1.0 < runtime.largest <= np.sqrt(net.config.feature_size)
 
 
 def test_query_sizes():

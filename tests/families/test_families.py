@@ -3,6 +3,7 @@ from mlx-lm's own classes (tiny.py): greedy AR, SD and Mirror-SD agree token for
 split target is the target itself; a converted draft is the model it came from; what can't
 work is refused by name."""
 
+import importlib
 from pathlib import Path
 
 from mirror_mlx.api import Engine
@@ -115,18 +116,20 @@ def test_gemma3_target_from_a_folder(tokenizer, tmp_path):
         assert engine.generate(PROMPT, max_tokens=MAX_TOKENS).token_ids == reference
 
 
-def test_core_ml_export_takes_the_plain_llama_form_only(tokenizer):
-    from mlx_lm.models import llama
-
-    # head_dim 32: the Neural Engine runs states whose sizes are multiples of 32 only.
-    plain = llama.Model(llama.ModelArgs.from_dict({**config("llama"), "head_dim": 32}))
-    target = loaded(plain, tokenizer, "llama")
-    spec, _ = package_spec(load_draft("self:2", target), context=256, max_branch_tokens=8)
-    assert spec.config.num_layers == 2
-    for family in ("llama3-rope", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"):
-        net = load_draft("self:2", loaded(tiny(family), tokenizer, family))
-        with pytest.raises(IncompatibleDraft, match="plain llama form"):
-            package_spec(net, context=256, max_branch_tokens=8)
+def test_core_ml_export_takes_the_families_and_names_what_it_cannot(tokenizer):
+    """Drafts of llama (rope scalings, windows), qwen2, qwen3, gemma 2 and gemma 3 export (their
+    parity: tests/coreml/test_families_parity.py); phi3 is refused with what differs."""
+    for family in ("llama", "llama3-rope", "mistral-yarn", "llama-sliding", "qwen2", "qwen3",
+                   "gemma2", "gemma3_text"):
+        # head_dim 32: the Neural Engine runs states whose sizes are multiples of 32 only.
+        module = importlib.import_module(f"mlx_lm.models.{FAMILIES[family][0]}")
+        args = {**config(family), "hidden_size": 128, "head_dim": 32}
+        target = loaded(module.Model(module.ModelArgs.from_dict(args)), tokenizer, family)
+        spec, _ = package_spec(load_draft("self:2", target), context=256, max_branch_tokens=8)
+        assert spec.config.num_layers == 2
+    net = load_draft("self:2", loaded(tiny("phi3"), tokenizer, "phi3"))
+    with pytest.raises(IncompatibleDraft, match="partial rope .* a fused qkv projection"):
+        package_spec(net, context=256, max_branch_tokens=8)
 
 
 def test_unknown_family_runs_alone_and_is_refused_by_name(tokenizer):
