@@ -112,8 +112,10 @@ def work(context: int, reads_features: bool, steps: int = 3) -> tuple[int, int]:
 @pytest.mark.parametrize("reads_features", [False, True], ids=["tokens", "features"])
 def test_a_jobs_bookkeeping_does_not_grow_with_the_context(reads_features):
     short, long = work(256, reads_features), work(8192, reads_features)
-    assert long == short
-    assert short[0] > 0
+    assert long[0] == short[0] > 0
+    # Lines may differ by a few where the collector runs a finalizer inside the trace; the
+    # bookkeeping that grew with the context ran 20 times as many at 8,192 tokens.
+    assert long[1] <= 1.02 * short[1], (short, long)
 
 
 def test_common_prefix_finds_the_first_difference_from_a_known_start():
