@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -17,7 +18,7 @@ from .decode.sampling import Sampler, SamplingParams
 from .decode.schedule import scheduler_for
 from .decode.speculative import speculative
 from .decode.stats import GenerationStats
-from .draft.base import Drafter, Features, Job
+from .draft.base import DRAFT_WAIT_S, Drafter, Features, Job
 from .errors import InvalidParameter, PromptTooLong
 from .models import split
 from .models.load import LoadedModel
@@ -89,6 +90,7 @@ class Session:
             if self.settings.mode == "mirror" else None
         # The adaptive draft length's measurements hold across generations too.
         self.length = DraftLength() if self.settings.gamma is None else None
+        self.hung = ""  # why the draft was given up for good (a job that never returned)
 
     def reset(self) -> None:
         self._trim(0)
@@ -119,8 +121,9 @@ class Session:
         `max_tokens`, the end of the context, or when `cancel` is set."""
         prompt = list(prompt)
         self.check(prompt, max_tokens)
-        mode = self.settings.mode
-        stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
+        mode = self.settings.mode if not self.hung else "ar"
+        stats = GenerationStats(mode=self.settings.mode, prompt_tokens=len(prompt),
+                                draft_fault=self.hung)
         sampler = Sampler(sampling or SamplingParams())
         mx.reset_peak_memory()
         start = time.perf_counter()
@@ -136,18 +139,34 @@ class Session:
                                                     features=features))
             features = []
         if draft_prefill is not None:
-            self.drafter.run_pending()
-            draft_prefill.result()
+            try:
+                self.drafter.run_pending()
+                draft_prefill.result(DRAFT_WAIT_S)
+            except Exception as e:
+                mode = self._fault(e, stats)
         prefilled = time.perf_counter()
         stats.prefill_s = prefilled - start
 
         text = TextStream(self.target.tokenizer, stop)
-        decoder = self._decoder(prompt, last, sampler, stats, features)
+        decoder = self._decoder(mode, prompt, last, sampler, stats, features)
         generated: list[int] = []
         finish = "cancelled" if cancel is not None and cancel.is_set() else ""
         try:
             while not finish:
-                step = next(decoder)
+                try:
+                    step = next(decoder)
+                except Exception as e:
+                    if mode == "ar":
+                        raise
+                    # The draft failed mid-step: go on as target-only decoding from the last
+                    # committed token (the target's cache is cut back to what precedes it).
+                    mode = self._fault(e, stats)
+                    decoder.close()
+                    committed = prompt + generated
+                    self._trim_cache(len(committed) - 1)
+                    decoder = autoregressive(self.target.model, self.cache, committed[-1],
+                                             sampler, stats)
+                    continue
                 if not generated:
                     stats.ttft_s = time.perf_counter() - start
                 fresh: list[int] = []
@@ -188,10 +207,22 @@ class Session:
             stats.overlap_fraction = stats.time_s.get("draft_hidden", 0.0) / drafting
         yield Chunk(text.flush(), [], stats)
 
-    def _decoder(self, prompt: list[int], last: int, sampler: Sampler, stats: GenerationStats,
-                 features: list[Features]):
+    def _fault(self, error: Exception, stats: GenerationStats) -> str:
+        """The draft failed: this generation goes on without it (and, if a job never returned,
+        the session too). Returns the mode to decode in."""
+        why = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        if isinstance(error, TimeoutError):
+            why = f"a draft job did not return within {DRAFT_WAIT_S:.0f} s"
+            self.hung = why
+        stats.draft_fault = why
+        warnings.warn(f"the draft failed ({why}); decoding goes on with the target alone",
+                      stacklevel=3)
+        return "ar"
+
+    def _decoder(self, mode: str, prompt: list[int], last: int, sampler: Sampler,
+                 stats: GenerationStats, features: list[Features]):
         s, model, cache = self.settings, self.target.model, self.cache
-        if s.mode == "ar":
+        if mode == "ar":
             return autoregressive(model, cache, last, sampler, stats)
         committed = self.tokens + [last]
         gamma = self.length or s.gamma
@@ -231,11 +262,14 @@ class Session:
         return prompt[-1], features
 
     def _trim(self, keep: int) -> None:
+        self._trim_cache(keep)
+        del self.tokens[keep:]
+
+    def _trim_cache(self, keep: int) -> None:
         offset = self.cache[0].offset
         if offset > keep:
             for c in self.cache:
                 c.trim(offset - keep)
-        del self.tokens[keep:]
 
     def _settle(self, committed: list[int]) -> None:
         """After a generation: the cache holds `committed` up to its own offset (a decoder may

@@ -35,7 +35,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from ..draft.base import Drafter, Features, Job, Rollout
+from ..draft.base import DRAFT_WAIT_S, Drafter, Features, Job, Rollout
 from ..models import split
 from .branches import rank_branches
 from .length import DraftLength
@@ -179,7 +179,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             t = time.perf_counter()
             done = drafter.submit(Job([committed], g, q_params, "fresh", features=pending,
                                       min_confidence=confidence, committed=committed,
-                                      copy_only=not drafting)).result()
+                                      copy_only=not drafting)).result(DRAFT_WAIT_S)
             pending = []
             window = done.rollouts[0]
             spent += time.perf_counter() - t
@@ -302,8 +302,8 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             for stop in filter(None, (early_stop, late_stop)):
                 stop.settle(accepted, token)
             wait = time.perf_counter()
-            early_done = early.result()
-            late_done = late.result() if late is not None else None
+            early_done = early.result(DRAFT_WAIT_S)
+            late_done = late.result(DRAFT_WAIT_S) if late is not None else None
             outcome = "fallback"
             if accepted == g and early_done.rollouts[0].tokens[:1] == [token]:
                 window, outcome = _tail(early_done.rollouts[0], 1), "early"

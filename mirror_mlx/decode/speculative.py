@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..draft.base import Drafter, Features, Job
+from ..draft.base import DRAFT_WAIT_S, Drafter, Features, Job
 from ..models import split
 from .length import DraftLength
 from .sampling import Sampler
@@ -41,7 +41,7 @@ def speculative(model: nn.Module, cache: list, drafter: Drafter, committed: list
             job = Job([committed], g, q_params, features=pending,
                       min_confidence=gamma.threshold() if adaptive else 0.0,
                       committed=committed, copy_only=not drafting)
-            done = drafter.submit(job).result()
+            done = drafter.submit(job).result(DRAFT_WAIT_S)
             pending = []
             draft = done.rollouts[0]
             drafts, q = draft.tokens, draft.probs

@@ -30,6 +30,7 @@ class GenerationStats:
     plan_steps: dict[str, int] = field(default_factory=dict)  # Mirror-SD steps per plan
     draft_lengths: dict[int, int] = field(default_factory=dict)  # steps by tokens verified (auto)
     schedule: str = ""  # Mirror-SD: the plan the scheduler prefers now, and why
+    draft_fault: str = ""  # why the draft was given up mid-generation (decoding went on as AR)
     time_s: dict[str, float] = field(default_factory=dict)  # target_prefix, draft, wait, ...
     overlap_fraction: float = 0.0  # share of draft time hidden under target compute
 

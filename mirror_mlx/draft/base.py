@@ -19,6 +19,10 @@ import numpy as np
 
 from ..decode.sampling import SamplingParams
 
+# The longest a decoder waits for a draft job before it gives the draft up as hung (a job
+# takes milliseconds; a first Core ML prediction may take seconds).
+DRAFT_WAIT_S = 60.0
+
 
 @dataclass
 class Features:
