@@ -1,7 +1,7 @@
 """Memory over a long chat: one Engine per mode keeps one conversation going for `--turns`
 turns (each turn's prompt holds the whole chat so far, reused from the session's KV cache),
-and after each turn records MLX's active memory, its buffer cache, the KV cache's own bytes
-and the process's resident set.
+and after each turn records MLX's active memory, its buffer cache (and the most it held
+between the turn's steps), the KV cache's own bytes and the process's resident set.
 
     python benchmarks/memory.py OUT_DIR [--modes ar,sd,mirror] [--turns 30] [--max-tokens 48]
         [--model SPEC] [--draft SPEC]
@@ -37,8 +37,10 @@ import mlx.core as mx
 TOPICS = ("octopuses", "owls", "glaciers", "the printing press", "bees", "volcanoes",
           "the Roman roads", "coral reefs", "lighthouses", "the violin", "deserts", "comets")
 FIELDS = ("mode", "turn", "context_tokens", "generated_tokens", "seconds", "active_mb",
-          "cache_mb", "kv_mb", "other_mb", "peak_mb", "rss_mb")
+          "cache_mb", "cache_max_mb", "kv_mb", "other_mb", "peak_mb", "rss_mb")
 MB = 1e6
+TITLES = {"other_mb": "other (active - KV cache)", "cache_mb": "cache after the turn",
+          "cache_max_mb": "cache, most between steps", "kv_mb": "target's KV cache"}
 
 
 def rss_bytes() -> int:
@@ -49,14 +51,15 @@ def rss_bytes() -> int:
 
 
 def sample(engine: Engine, mode: str, turn: int, context: int, generated: int,
-           seconds: float) -> dict:
+           seconds: float, cache_max: int) -> dict:
     active, cache = mx.get_active_memory(), mx.get_cache_memory()
     kv = sum(c.nbytes for c in engine.session.cache if c.keys is not None)
     return {"mode": mode, "turn": turn, "context_tokens": context,
             "generated_tokens": generated, "seconds": round(seconds, 2),
             "active_mb": round(active / MB, 2), "cache_mb": round(cache / MB, 2),
             "kv_mb": round(kv / MB, 2), "other_mb": round((active - kv) / MB, 2),
-            "peak_mb": round(mx.get_peak_memory() / MB, 2), "rss_mb": round(rss_bytes() / MB, 2)}
+            "peak_mb": round(mx.get_peak_memory() / MB, 2), "rss_mb": round(rss_bytes() / MB, 2),
+            "cache_max_mb": round(cache_max / MB, 2)}
 
 
 def chat(target, mode: str, turns: int, max_tokens: int, draft: str | None) -> list[dict]:
@@ -65,18 +68,22 @@ def chat(target, mode: str, turns: int, max_tokens: int, draft: str | None) -> l
     mx.reset_peak_memory()
     rows = []
     with Engine(target, mode=mode, draft=draft) as engine:
-        rows.append(sample(engine, mode, 0, 0, 0, 0.0))
+        rows.append(sample(engine, mode, 0, 0, 0, 0.0, mx.get_cache_memory()))
         messages, generated = [], 0
         for turn in range(1, turns + 1):
             topic = TOPICS[(turn - 1) % len(TOPICS)]
             messages.append({"role": "user", "content": f"Tell me about {topic}."})
             start = time.perf_counter()
-            result = engine.chat(messages, max_tokens=max_tokens)
+            text, largest = [], 0
+            for chunk in engine.stream(messages, max_tokens=max_tokens):
+                text.append(chunk.text)
+                largest = max(largest, mx.get_cache_memory())  # between steps
+                stats = chunk.stats  # the last chunk carries them
             seconds = time.perf_counter() - start
-            messages.append(result.message)
-            generated += result.stats.generated_tokens
-            context = result.stats.prompt_tokens + result.stats.generated_tokens
-            rows.append(sample(engine, mode, turn, context, generated, seconds))
+            messages.append({"role": "assistant", "content": "".join(text)})
+            generated += stats.generated_tokens
+            context = stats.prompt_tokens + stats.generated_tokens
+            rows.append(sample(engine, mode, turn, context, generated, seconds, largest))
             print(f"{mode} turn {turn}: {context} tokens in context, "
                   f"active {rows[-1]['active_mb']} MB, cache {rows[-1]['cache_mb']} MB, "
                   f"rss {rows[-1]['rss_mb']} MB ({seconds:.1f} s)", file=sys.stderr)
@@ -91,7 +98,7 @@ def summary(rows: list[dict]) -> list[str]:
     for mode in dict.fromkeys(r["mode"] for r in rows):
         mine = [r for r in rows if r["mode"] == mode]
         start, warm, end = mine[0], mine[min(1, len(mine) - 1)], mine[-1]
-        for key in ("active_mb", "kv_mb", "other_mb", "cache_mb", "rss_mb"):
+        for key in ("active_mb", "kv_mb", "other_mb", "cache_mb", "cache_max_mb", "rss_mb"):
             growth = (f"{100 * (end[key] - warm[key]) / warm[key]:+.0f}%" if warm[key] > 0
                       else f"{end[key] - warm[key]:+.1f} MB")
             lines.append(f"| {mode} | {key[:-3]} | {start[key]} | {warm[key]} | {end[key]} | "
@@ -102,14 +109,14 @@ def summary(rows: list[dict]) -> list[str]:
 def plot(rows: list[dict], path: Path) -> None:
     from matplotlib.figure import Figure
 
-    keys = ("active_mb", "other_mb", "cache_mb", "rss_mb")
-    fig = Figure(figsize=(11, 7))
+    keys = ("active_mb", "other_mb", "cache_mb", "cache_max_mb", "kv_mb", "rss_mb")
+    fig = Figure(figsize=(14, 7))
     for i, key in enumerate(keys):
-        ax = fig.add_subplot(2, 2, i + 1)
+        ax = fig.add_subplot(2, 3, i + 1)
         for mode in dict.fromkeys(r["mode"] for r in rows):
             mine = [r for r in rows if r["mode"] == mode]
             ax.plot([r["turn"] for r in mine], [r[key] for r in mine], marker=".", label=mode)
-        ax.set_title(key[:-3] + (" (active - KV cache)" if key == "other_mb" else ""))
+        ax.set_title(TITLES.get(key, key[:-3]))
         ax.set_xlabel("turn")
         ax.set_ylabel("MB")
         ax.grid(alpha=0.3)
