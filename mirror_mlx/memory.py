@@ -16,28 +16,30 @@ import mlx.core as mx
 
 from .platform import wired_limit_bytes
 
-# Tokens through the target (prefilled or committed) between two clears of the buffer cache,
-# as mlx-lm's generate_step. Measured on the default model in float32 (Mirror-SD, MLX's CPU
-# backend under Metal's cache rule, benchmarks/memory.py and a 300-token reply): between
-# clears the cache gains about 0.08 MB per token (shapes that do not come back) and the KV
-# cache's old copy when it reallocates (every 256 positions), so it peaks near 20 MB, where
-# nothing cleared it before (it gained 34 MB over the same reply, on top of 300 MB left by
-# loading). The clear at a generation's end empties it for the idle time between turns.
+# The buffer cache is cleared each time a generation's position (tokens in the target's KV
+# cache) passes a multiple of CLEAR_EVERY: mlx-lm's period (generate_step), and the one at
+# which mlx-lm's KV cache reallocates, so the old copy it leaves in the cache goes at once.
+# Measured on the default model in float32 (Mirror-SD, MLX's CPU backend under Metal's cache
+# rule, benchmarks/memory.py, two 300-token replies): between clears the cache gains about
+# 0.08 MB per token (shapes that do not come back); with a clear every 256 tokens wherever
+# they fell it still held up to 53 MB (the KV cache's old copy on top), and with none 124 MB
+# after the two replies, on top of what loading left. The clear at a generation's end empties
+# it for the idle time between turns.
 CLEAR_EVERY = 256
 
 
 class CacheClearer:
-    """Counts the tokens one generation sends through the target and clears MLX's buffer
-    cache every CLEAR_EVERY of them, and once more at the end (`finish`)."""
+    """Clears MLX's buffer cache as one generation moves along the context (`at`), and once
+    more at its end (`finish`)."""
 
     def __init__(self):
-        self.since = 0
+        self.position = 0
 
-    def add(self, tokens: int) -> None:
-        self.since += tokens
-        if self.since >= CLEAR_EVERY:
+    def at(self, position: int) -> None:
+        """The target's cache now holds `position` tokens."""
+        if position // CLEAR_EVERY != self.position // CLEAR_EVERY:
             mx.clear_cache()
-            self.since = 0
+        self.position = position
 
     def finish(self) -> None:
         """Between turns the chat may idle for minutes: hand what the generation freed back to
@@ -45,7 +47,6 @@ class CacheClearer:
         its tokens are handed over); wait for it, so that its buffers are freed first."""
         mx.synchronize()
         mx.clear_cache()
-        self.since = 0
 
 
 class _Wiring:

@@ -172,7 +172,7 @@ class Session:
                     finish = finish or "context"
                 elif cancel is not None and cancel.is_set():
                     finish = "cancelled"
-                clearer.add(len(step))
+                clearer.at(len(prompt) + len(generated))
                 if piece or fresh:
                     yield Chunk(piece, fresh)
         finally:
@@ -231,7 +231,7 @@ class Session:
             if taps:
                 features.append(Features.of(prompt, keep + at, feats))
             self.tokens.extend(chunk)
-            clearer.add(len(chunk))
+            clearer.at(len(self.tokens))
             if on_prefill:
                 on_prefill(keep + at + len(chunk), len(prompt) - 1)
         return prompt[-1], features

@@ -50,9 +50,10 @@ def test_cache_emptied_after_each_turn_and_memory_flat_over_a_chat(target, metal
     assert max(beyond) - beyond[0] < 5, beyond
 
 
-def test_cache_cleared_every_clear_every_tokens(target, metal_cache, monkeypatch):
-    """Within one generation: cleared after every step when CLEAR_EVERY is 1, the cache seen
-    between steps holds nothing (SD's steps leave nothing in flight when they hand over)."""
+def test_cache_cleared_within_a_generation(target, metal_cache, monkeypatch):
+    """Cleared each time the position passes a multiple of CLEAR_EVERY: with 1, after every
+    step, the cache seen between steps holds nothing (SD's steps leave nothing in flight when
+    they hand over)."""
     prompt = "Count from 1 to 30, separated by commas."
     with Engine(target, mode="sd", gamma=4) as engine:
         def largest() -> float:
