@@ -18,13 +18,13 @@ from .platform import wired_limit_bytes
 
 # The buffer cache is cleared each time a generation's position (tokens in the target's KV
 # cache) passes a multiple of CLEAR_EVERY: mlx-lm's period (generate_step), and the one at
-# which mlx-lm's KV cache reallocates, so the old copy it leaves in the cache goes at once.
+# which mlx-lm's KV cache reallocates, so the old copy it leaves in the cache goes soon after.
 # Measured on the default model in float32 (Mirror-SD, MLX's CPU backend under Metal's cache
 # rule, benchmarks/memory.py, two 300-token replies): between clears the cache gains about
-# 0.08 MB per token (shapes that do not come back); with a clear every 256 tokens wherever
-# they fell it still held up to 53 MB (the KV cache's old copy on top), and with none 124 MB
-# after the two replies, on top of what loading left. The clear at a generation's end empties
-# it for the idle time between turns.
+# 0.1 MB per token (shapes that do not come back) and the KV cache's old copy when it grows;
+# it held at most 33 and 45 MB in the two replies (53 MB with a clear every 256 tokens
+# wherever they fell, 91 and 124 MB with none). The clear at a generation's end empties it
+# for the idle time between turns.
 CLEAR_EVERY = 256
 
 
