@@ -16,30 +16,40 @@ import mlx.core as mx
 
 from .platform import wired_limit_bytes
 
-# The buffer cache is cleared each time a generation's position (tokens in the target's KV
-# cache) passes a multiple of CLEAR_EVERY: mlx-lm's period (generate_step), and the one at
-# which mlx-lm's KV cache reallocates, so the old copy it leaves in the cache goes soon after.
-# Measured on the default model in float32 (Mirror-SD, MLX's CPU backend under Metal's cache
-# rule, benchmarks/memory.py, two 300-token replies): between clears the cache gains about
-# 0.1 MB per token (shapes that do not come back) and the KV cache's old copy when it grows;
-# it held at most 33 and 45 MB in the two replies (53 MB with a clear every 256 tokens
-# wherever they fell, 91 and 124 MB with none). The clear at a generation's end empties it
-# for the idle time between turns.
+# Tokens through the target (prefilled or committed) between two clears of the buffer cache,
+# as mlx-lm's generate_step. Measured on the default model in float32 (MLX's CPU backend under
+# Metal's cache rule, benchmarks/memory.py): between clears the cache gains about 0.1 MB per
+# token (shapes that do not come back), so 256 tokens add some 25 MB; with no clearing it
+# reached 81 / 210 / 346 MB (AR / SD / Mirror-SD) over a 30-turn chat.
 CLEAR_EVERY = 256
 
 
+def kv_bytes(cache: list) -> int:
+    return sum(c.nbytes for c in cache)
+
+
 class CacheClearer:
-    """Clears MLX's buffer cache as one generation moves along the context (`at`), and once
-    more at its end (`finish`)."""
+    """Clears MLX's buffer cache every CLEAR_EVERY tokens of one generation, after the KV
+    cache grows, and once more at the generation's end (`finish`)."""
 
-    def __init__(self):
-        self.position = 0
+    def __init__(self, kv: list):
+        self.kv = kv
+        self.since = 0
+        self.size = kv_bytes(kv)
+        self.grew = False
 
-    def at(self, position: int) -> None:
-        """The target's cache now holds `position` tokens."""
-        if position // CLEAR_EVERY != self.position // CLEAR_EVERY:
+    def add(self, tokens: int) -> None:
+        """`tokens` more went through the target."""
+        self.since += tokens
+        # The KV cache grows by copying itself (mlx-lm's caches, 256 positions at a time), and
+        # the old copy, as large as the whole context's keys and values, would sit in the
+        # buffer cache until the next clear. It gets there once the step that grew the cache
+        # has been computed, which the next step has waited for: clear then.
+        if self.since >= CLEAR_EVERY or self.grew:
             mx.clear_cache()
-        self.position = position
+            self.since = 0
+        size = kv_bytes(self.kv)
+        self.grew, self.size = size > self.size, size
 
     def finish(self) -> None:
         """Between turns the chat may idle for minutes: hand what the generation freed back to

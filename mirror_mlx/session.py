@@ -123,7 +123,7 @@ class Session:
         mode = self.settings.mode
         stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
         sampler = Sampler(sampling or SamplingParams())
-        clearer = CacheClearer()
+        clearer = CacheClearer(self.cache)
         mx.reset_peak_memory()
         start = time.perf_counter()
         draft_prefill = None
@@ -172,7 +172,7 @@ class Session:
                     finish = finish or "context"
                 elif cancel is not None and cancel.is_set():
                     finish = "cancelled"
-                clearer.at(len(prompt) + len(generated))
+                clearer.add(len(step))
                 if piece or fresh:
                     yield Chunk(piece, fresh)
         finally:
@@ -231,7 +231,7 @@ class Session:
             if taps:
                 features.append(Features.of(prompt, keep + at, feats))
             self.tokens.extend(chunk)
-            clearer.at(len(self.tokens))
+            clearer.add(len(chunk))
             if on_prefill:
                 on_prefill(keep + at + len(chunk), len(prompt) - 1)
         return prompt[-1], features
