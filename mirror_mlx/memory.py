@@ -18,9 +18,10 @@ from .platform import wired_limit_bytes
 
 # Tokens through the target (prefilled or committed) between two clears of the buffer cache,
 # as mlx-lm's generate_step. Measured on the default model in float32 (MLX's CPU backend under
-# Metal's cache rule, benchmarks/memory.py): between clears the cache gains about 0.1 MB per
-# token (shapes that do not come back), so 256 tokens add some 25 MB; with no clearing it
-# reached 81 / 210 / 346 MB (AR / SD / Mirror-SD) over a 30-turn chat.
+# Metal's cache rule, benchmarks/memory.py, a 30-turn chat): with no clearing the cache
+# reached 81 / 210 / 346 MB (AR / SD / Mirror-SD); with these clears it holds at most 15 MB
+# between steps, plus the KV cache's old copy at the one step that grew it, and 0 MB between
+# turns.
 CLEAR_EVERY = 256
 
 
