@@ -105,6 +105,24 @@ def mlx_backend() -> str:
     return "cpu"
 
 
+def wired_limit_bytes() -> tuple[int | None, str]:
+    """How much MLX memory to wire (keep resident, never paged out) while an engine is open:
+    Metal's recommended working set, as mlx-lm does; or None and why not. MLX wires memory
+    with Metal residency sets, which macOS 15 brought; elsewhere there is nothing to wire."""
+    import mlx.core as mx
+
+    if not is_macos():
+        return None, f"memory is wired only with Metal on macOS (this is {_platform.system()})"
+    if macos_version() < (15,):
+        return None, "MLX wires memory on macOS 15 or later"
+    if mlx_backend() != "metal":
+        return None, "MLX is not computing with Metal"
+    size = mx.device_info().get("max_recommended_working_set_size")
+    if not size:
+        return None, "Metal reports no recommended working set"
+    return int(size), ""
+
+
 def coreml_status() -> tuple[bool, str]:
     """Whether Core ML models can be executed here, and why not."""
     if not is_macos():

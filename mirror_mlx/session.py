@@ -20,6 +20,7 @@ from .decode.speculative import speculative
 from .decode.stats import GenerationStats
 from .draft.base import DRAFT_WAIT_S, Drafter, Features, Job
 from .errors import InvalidParameter, PromptTooLong
+from .memory import CacheClearer
 from .models import split
 from .models.load import LoadedModel
 from .text import TextStream
@@ -125,6 +126,7 @@ class Session:
         stats = GenerationStats(mode=self.settings.mode, prompt_tokens=len(prompt),
                                 draft_fault=self.hung)
         sampler = Sampler(sampling or SamplingParams())
+        clearer = CacheClearer(self.cache)
         mx.reset_peak_memory()
         start = time.perf_counter()
         draft_prefill = None
@@ -133,7 +135,7 @@ class Session:
             self.drafter.reseed(sampler.params.seed)
             if not reads:  # the draft fills its own cache on its side while the target prefills
                 draft_prefill = self.drafter.submit(Job([prompt], 0, label="prefill"))
-        last, features = self._prefill(prompt, stats, cancel, on_prefill)
+        last, features = self._prefill(prompt, stats, cancel, on_prefill, clearer)
         if reads:  # a draft that reads the target's features prefills from them
             draft_prefill = self.drafter.submit(Job([prompt], 0, label="prefill",
                                                     features=features))
@@ -189,11 +191,13 @@ class Session:
                     finish = finish or "context"
                 elif cancel is not None and cancel.is_set():
                     finish = "cancelled"
+                clearer.add(len(step))
                 if piece or fresh:
                     yield Chunk(piece, fresh)
         finally:
             decoder.close()
             self._settle(prompt + generated)
+            clearer.finish()
         if self.scheduler is not None:
             stats.schedule = self.scheduler.explain()  # what it prefers now, after this reply
         end = time.perf_counter()
@@ -233,7 +237,8 @@ class Session:
         return mirror(model, cache, self.drafter, committed, sampler, stats, mirror_config,
                       self.context, self.scheduler, self.timeline, features)
 
-    def _prefill(self, prompt, stats, cancel, on_prefill) -> tuple[int, list[Features]]:
+    def _prefill(self, prompt, stats, cancel, on_prefill,
+                 clearer: CacheClearer) -> tuple[int, list[Features]]:
         """Fill the cache with all of `prompt` but its last token, reusing what it holds.
         Returns the last token, and the target's features after the prefilled tokens when
         the draft reads them."""
@@ -257,6 +262,7 @@ class Session:
             if taps:
                 features.append(Features.of(prompt, keep + at, feats))
             self.tokens.extend(chunk)
+            clearer.add(len(chunk))
             if on_prefill:
                 on_prefill(keep + at + len(chunk), len(prompt) - 1)
         return prompt[-1], features
