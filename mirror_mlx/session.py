@@ -120,7 +120,9 @@ class Session:
         prompt = list(prompt)
         self.check(prompt, max_tokens)
         mode = self.settings.mode
-        stats = GenerationStats(mode=mode, prompt_tokens=len(prompt))
+        stats = GenerationStats(mode=mode, prompt_tokens=len(prompt),
+                                ranks=max(1, len(self.target.split)),
+                                split=list(self.target.split))
         sampler = Sampler(sampling or SamplingParams())
         mx.reset_peak_memory()
         start = time.perf_counter()

@@ -1,0 +1,64 @@
+"""Starting a run on several ranks: a command given --hosts or --hostfile runs itself again
+under mlx.launch (which starts one process per rank, over ssh where a host is not this
+machine, and stops them all when one fails), then reports the run's outcome as one error."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from ..errors import DistributedError, MissingExtra
+
+# mlx.launch's own lines about ranks that ended (its warnings are colored).
+_ENDED = re.compile(r"Node with rank (\d+) (was killed|exited with code (-?\d+))")
+
+
+def launched() -> bool:
+    """This process is a rank that a launcher started (it set the documented environment)."""
+    return "MLX_RANK" in os.environ
+
+
+def launcher() -> str:
+    beside = Path(sys.executable).with_name("mlx.launch")
+    found = str(beside) if beside.exists() else shutil.which("mlx.launch")
+    if found is None:
+        raise MissingExtra("running across processes needs mlx.launch (part of mlx)")
+    return found
+
+
+def launch_command(argv: list[str], hosts: str | None, hostfile: str | None,
+                   port: int) -> list[str]:
+    where = ["--hostfile", hostfile] if hostfile else ["--hosts", hosts]
+    return [launcher(), "--backend", "ring", *where, "--starting-port", str(port),
+            "--python", sys.executable, "--", "-m", "mirror_mlx", *argv]
+
+
+def relaunch(argv: list[str], hosts: str | None, hostfile: str | None, port: int) -> int:
+    """Run `argv` (this command line) on every rank; returns the exit status. Rank 0's output
+    passes through; when a rank ends badly, one error says which, unless rank 0 said it."""
+    if hostfile and not Path(hostfile).is_file():
+        raise DistributedError(f"--hostfile {hostfile}: no such file")
+    proc = subprocess.Popen(launch_command(argv, hosts, hostfile, port),
+                            stderr=subprocess.PIPE, text=True, errors="replace")
+    ended: dict[int, str] = {}
+    reported = False
+    for line in proc.stderr:
+        m = _ENDED.search(line)
+        if m:
+            ended[int(m.group(1))] = m.group(2)
+            continue
+        reported = reported or line.startswith("mirror-mlx: error")
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    status = proc.wait()
+    if not ended:
+        return status
+    if not reported:
+        # The first rank that ended on its own; the launcher then stopped the others.
+        rank, how = next(iter(ended.items()))
+        print(f"mirror-mlx: error: rank {rank} {how}; every rank stopped", file=sys.stderr)
+    return 1
