@@ -30,19 +30,28 @@ def launcher() -> str:
     return found
 
 
-def launch_command(argv: list[str], hosts: str | None, hostfile: str | None,
-                   port: int) -> list[str]:
+def launch_command(argv: list[str], hosts: str | None, hostfile: str | None, port: int,
+                   program: tuple[str, ...] = ("-m", "mirror_mlx")) -> list[str]:
     where = ["--hostfile", hostfile] if hostfile else ["--hosts", hosts]
-    return [launcher(), "--backend", "ring", *where, "--starting-port", str(port),
-            "--python", sys.executable, "--", "-m", "mirror_mlx", *argv]
+    env = []
+    shared = max(hosts.split(",").count(h) for h in hosts.split(",")) if hosts else 1
+    if shared > 1 and "MIRROR_MLX_BLAS_THREADS" not in os.environ:
+        # Ranks that share a machine share its cores: BLAS threads that each expect all of
+        # them spin against each other (measured on 2 cores, 2 ranks: 5 s a token, 1 s with
+        # one thread each).
+        env = ["--env", f"MIRROR_MLX_BLAS_THREADS={max(1, (os.cpu_count() or 1) // shared)}"]
+    return [launcher(), "--backend", "ring", *where, "--starting-port", str(port), *env,
+            "--python", sys.executable, "--", *program, *argv]
 
 
-def relaunch(argv: list[str], hosts: str | None, hostfile: str | None, port: int) -> int:
-    """Run `argv` (this command line) on every rank; returns the exit status. Rank 0's output
-    passes through; when a rank ends badly, one error says which, unless rank 0 said it."""
+def relaunch(argv: list[str], hosts: str | None, hostfile: str | None, port: int,
+             program: tuple[str, ...] = ("-m", "mirror_mlx")) -> int:
+    """Run `program` with `argv` (by default this command line) on every rank; returns the
+    exit status. Rank 0's output passes through; when a rank ends badly, one error says
+    which, unless rank 0 said it."""
     if hostfile and not Path(hostfile).is_file():
         raise DistributedError(f"--hostfile {hostfile}: no such file")
-    proc = subprocess.Popen(launch_command(argv, hosts, hostfile, port),
+    proc = subprocess.Popen(launch_command(argv, hosts, hostfile, port, program),
                             stderr=subprocess.PIPE, text=True, errors="replace")
     ended: dict[int, str] = {}
     reported = False
@@ -51,6 +60,8 @@ def relaunch(argv: list[str], hosts: str | None, hostfile: str | None, port: int
         if m:
             ended[int(m.group(1))] = m.group(2)
             continue
+        if line.startswith("[ring] ") and "MLX_RING_VERBOSE" not in os.environ:
+            continue  # the transport's own account of a lost peer: the error below says it
         reported = reported or line.startswith("mirror-mlx: error")
         sys.stderr.write(line)
         sys.stderr.flush()

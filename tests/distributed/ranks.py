@@ -1,0 +1,62 @@
+"""Run on every rank (by mlx.launch) in the distributed tests: the default decoders over the
+pipelined target; rank 0 prints one JSON line {mode: {"token_ids", "stats"}}.
+`--other-model` loads another file on rank 1; `--die-after N` kills rank 1 as it gets its
+Nth forward."""
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import mirror_mlx  # noqa: F401  (first: makes MLX use OpenBLAS where installed)
+from mirror_mlx.api import Engine
+from mirror_mlx.distributed import stage
+from mirror_mlx.distributed.run import Options, pipelined, want_layers
+from mirror_mlx.errors import MirrorError
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--other-model", default=None)
+    p.add_argument("--split", default=None)
+    p.add_argument("--modes", default="ar,sd,mirror")
+    p.add_argument("--gamma", type=int, default=4)
+    p.add_argument("--branch-budget", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--prompt", default="Name three colors.")
+    p.add_argument("--die-after", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=120.0)
+    args = p.parse_args()
+    rank = int(os.environ["MLX_RANK"])
+    model = args.other_model if rank == 1 and args.other_model else args.model
+    if rank == 1 and args.die_after:
+        run_stage, calls = stage.run_stage, []
+
+        def dying(*a, **k):
+            calls.append(1)
+            if len(calls) == args.die_after:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return run_stage(*a, **k)
+
+        stage.run_stage = dying
+    try:
+        with pipelined(model, "float32", Options("pipeline", args.split, args.timeout),
+                       quiet=True) as (target, pipeline):
+            out = {}
+            for mode in args.modes.split(","):
+                with Engine(target, mode=mode, gamma=args.gamma, quiet=True,
+                            branch_budget=args.branch_budget) as engine:
+                    want_layers(pipeline, engine)
+                    r = engine.generate(args.prompt, max_tokens=args.max_tokens)
+                    out[mode] = {"token_ids": r.token_ids, "stats": r.stats.to_dict()}
+            print(json.dumps(out), flush=True)
+    except MirrorError as e:
+        print(f"mirror-mlx: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
