@@ -14,6 +14,7 @@ from types import SimpleNamespace
 import mlx.core as mx
 import mlx.nn as nn
 
+from ..errors import InvalidParameter
 from .protocol import DTYPES, FORWARD, STOP, Header, Link
 
 
@@ -27,6 +28,7 @@ class Pipeline:
         self.keep: tuple[int, ...] = ()
         self.hidden = model.args.hidden_size
         self._outputs: dict[int, mx.array] = {}
+        self._driver = None  # the cache (one session's) whose positions the stages hold
         self._stopped = False
         layers = model.model.layers
         for i in range(self.end):
@@ -39,6 +41,12 @@ class Pipeline:
 
     def layer(self, i: int, h: mx.array, cache) -> mx.array:
         offset = cache.offset
+        if i == 0 and cache is not self._driver:
+            # The stages keep one cache: another session may only start from scratch.
+            if offset:
+                raise InvalidParameter("across ranks, one conversation at a time: the other "
+                                       "ranks hold another session's cache")
+            self._driver = cache
         cache.offset += h.shape[1]
         if i == 0:
             self._outputs = self._forward(h, offset)

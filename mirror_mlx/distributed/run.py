@@ -4,6 +4,7 @@ target to the engine."""
 
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -58,7 +59,11 @@ def pipelined(model: str | None, dtype: str, options: Options, quiet: bool = Fal
             raise SystemExit(0) from None  # rank 0 reports it
         raise
     if rank:
-        follow(target.model, link, counts)
+        try:
+            follow(target.model, link, counts)
+        except DistributedError as e:  # rank 0 reports the run's error; this says why here
+            print(f"mirror-mlx: rank {rank} stopped: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
         raise SystemExit(0)
     pipeline = Pipeline(target.model, link, counts)
     failed = False

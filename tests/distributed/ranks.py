@@ -13,7 +13,19 @@ import mirror_mlx  # noqa: F401  (first: makes MLX use OpenBLAS where installed)
 from mirror_mlx.api import Engine
 from mirror_mlx.distributed import stage
 from mirror_mlx.distributed.run import Options, pipelined, want_layers
-from mirror_mlx.errors import MirrorError
+from mirror_mlx.errors import InvalidParameter, MirrorError
+
+
+def interleave(target, prompt: str) -> str:
+    """What continuing a session whose cache the stages no longer hold says."""
+    with Engine(target, quiet=True) as first, Engine(target, quiet=True) as second:
+        first.generate(prompt, max_tokens=2)
+        second.generate(prompt, max_tokens=2)
+        try:
+            first.generate(prompt, max_tokens=2)
+        except InvalidParameter as e:
+            return str(e)
+    return "not refused"
 
 
 def main() -> int:
@@ -28,6 +40,8 @@ def main() -> int:
     p.add_argument("--prompt", default="Name three colors.")
     p.add_argument("--die-after", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--interleave", action="store_true",
+                   help="then continue one session after another one ran: refused")
     args = p.parse_args()
     rank = int(os.environ["MLX_RANK"])
     model = args.other_model if rank == 1 and args.other_model else args.model
@@ -51,6 +65,8 @@ def main() -> int:
                     want_layers(pipeline, engine)
                     r = engine.generate(args.prompt, max_tokens=args.max_tokens)
                     out[mode] = {"token_ids": r.token_ids, "stats": r.stats.to_dict()}
+            if args.interleave:
+                out["interleaved"] = interleave(target, args.prompt)
             print(json.dumps(out), flush=True)
     except MirrorError as e:
         print(f"mirror-mlx: error: {e}", file=sys.stderr, flush=True)

@@ -76,10 +76,11 @@ def test_generate_on_two_ranks_equals_single_process(single, capfd):
 
 
 def test_three_ranks_all_decoders_equal_single_process(single, default_gguf, capfd):
-    """AR, SD and Mirror-SD over 3 ranks with rank 0 holding only layers 26-30: the early
-    exit (after layer 25) and two of the draft's feature layers come back from rank 2."""
+    """AR, SD and Mirror-SD over 3 ranks with rank 0 holding only layers 27-30: the early
+    exit (after layer 25) and the draft's feature layers (3, 15, 25) come back from ranks 1
+    and 2."""
     status, out, err = run_ranks(capfd, 3, "--model", str(default_gguf), "--split",
-                                 "4,13,13", "--branch-budget", "1")
+                                 "4,13,13", "--branch-budget", "1", "--interleave")
     assert status == 0, err
     replies = json.loads(out.strip().splitlines()[-1])
     for mode in ("ar", "sd", "mirror"):
@@ -92,6 +93,8 @@ def test_three_ranks_all_decoders_equal_single_process(single, default_gguf, cap
     # The exit read the wrong hidden state -> its guesses would almost never hold the token.
     assert mirror["exit_positions"] > 0
     assert mirror["exit_covered"] / mirror["exit_positions"] >= 0.5, mirror
+    # The stages hold one session's cache: continuing another one is refused, not garbled.
+    assert "one conversation at a time" in replies["interleaved"]
 
 
 def test_dead_rank_ends_the_run_with_one_error(default_gguf, capfd):
