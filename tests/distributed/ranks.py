@@ -11,6 +11,7 @@ import sys
 
 import mirror_mlx  # noqa: F401  (first: makes MLX use OpenBLAS where installed)
 from mirror_mlx.api import Engine
+from mirror_mlx.decode.sampling import SamplingParams
 from mirror_mlx.distributed import stage
 from mirror_mlx.distributed.run import Options, pipelined, want_layers
 from mirror_mlx.errors import InvalidParameter, MirrorError
@@ -40,6 +41,7 @@ def main() -> int:
     p.add_argument("--prompt", default="Name three colors.")
     p.add_argument("--die-after", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--sampled", action="store_true", help="then SD at temperature 0.8, seed 3")
     p.add_argument("--interleave", action="store_true",
                    help="then continue one session after another one ran: refused")
     args = p.parse_args()
@@ -65,6 +67,12 @@ def main() -> int:
                     want_layers(pipeline, engine)
                     r = engine.generate(args.prompt, max_tokens=args.max_tokens)
                     out[mode] = {"token_ids": r.token_ids, "stats": r.stats.to_dict()}
+            if args.sampled:  # rank 0 samples; with a fixed window the draws fall alike
+                with Engine(target, mode="sd", gamma=args.gamma, quiet=True) as engine:
+                    want_layers(pipeline, engine)
+                    r = engine.generate(args.prompt, max_tokens=args.max_tokens,
+                                        sampling=SamplingParams(temperature=0.8, seed=3))
+                    out["sd-sampled"] = {"token_ids": r.token_ids}
             if args.interleave:
                 out["interleaved"] = interleave(target, args.prompt)
             print(json.dumps(out), flush=True)

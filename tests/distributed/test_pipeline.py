@@ -11,6 +11,7 @@ from pathlib import Path
 
 from mirror_mlx.api import Engine
 from mirror_mlx.cli import main as cli_main
+from mirror_mlx.decode.sampling import SamplingParams
 from mirror_mlx.distributed.launch import relaunch
 
 import pytest
@@ -18,6 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 RANKS = str(Path(__file__).with_name("ranks.py"))
 PROMPT = "Name three colors."
+SAMPLED = SamplingParams(temperature=0.8, seed=3)  # as tests/distributed/ranks.py --sampled
 
 
 def free_ports(n: int) -> int:
@@ -48,6 +50,8 @@ def single(target):
     for mode in ("ar", "sd"):
         with Engine(target, mode=mode, gamma=4, quiet=True) as engine:
             out[mode] = engine.generate(PROMPT, max_tokens=16)
+    with Engine(target, mode="sd", gamma=4, quiet=True) as engine:
+        out["sd-sampled"] = engine.generate(PROMPT, max_tokens=16, sampling=SAMPLED)
     return out
 
 
@@ -80,7 +84,7 @@ def test_three_ranks_all_decoders_equal_single_process(single, default_gguf, cap
     exit (after layer 25) and the draft's feature layers (3, 15, 25) come back from ranks 1
     and 2."""
     status, out, err = run_ranks(capfd, 3, "--model", str(default_gguf), "--split",
-                                 "4,13,13", "--branch-budget", "1", "--interleave")
+                                 "4,13,13", "--branch-budget", "1", "--interleave", "--sampled")
     assert status == 0, err
     replies = json.loads(out.strip().splitlines()[-1])
     for mode in ("ar", "sd", "mirror"):
@@ -93,6 +97,8 @@ def test_three_ranks_all_decoders_equal_single_process(single, default_gguf, cap
     # The exit read the wrong hidden state -> its guesses would almost never hold the token.
     assert mirror["exit_positions"] > 0
     assert mirror["exit_covered"] / mirror["exit_positions"] >= 0.5, mirror
+    # Seeded sampling: the same draws on the same target distributions.
+    assert replies["sd-sampled"]["token_ids"] == single["sd-sampled"].token_ids
     # The stages hold one session's cache: continuing another one is refused, not garbled.
     assert "one conversation at a time" in replies["interleaved"]
 
