@@ -11,8 +11,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ..errors import DistributedError, MissingExtra
+from ..errors import DistributedError, InvalidParameter, MissingExtra
 
+STOP_WAIT = 30.0  # seconds the ranks get to end after Ctrl-C
 # mlx.launch's own lines about ranks that ended (its warnings are colored).
 _ENDED = re.compile(r"Node with rank (\d+) (was killed|exited with code (-?\d+))")
 
@@ -51,21 +52,32 @@ def relaunch(argv: list[str], hosts: str | None, hostfile: str | None, port: int
     which, unless rank 0 said it."""
     if hostfile and not Path(hostfile).is_file():
         raise DistributedError(f"--hostfile {hostfile}: no such file")
+    if not hostfile and len(hosts.split(",")) < 2:
+        raise InvalidParameter("--hosts needs at least 2 addresses (repeat one to run "
+                               "several ranks on a machine)")
     proc = subprocess.Popen(launch_command(argv, hosts, hostfile, port, program),
                             stderr=subprocess.PIPE, text=True, errors="replace")
     ended: dict[int, str] = {}
     reported = False
-    for line in proc.stderr:
-        m = _ENDED.search(line)
-        if m:
-            ended[int(m.group(1))] = m.group(2)
-            continue
-        if line.startswith("[ring] ") and "MLX_RING_VERBOSE" not in os.environ:
-            continue  # the transport's own account of a lost peer: the error below says it
-        reported = reported or line.startswith("mirror-mlx: error")
-        sys.stderr.write(line)
-        sys.stderr.flush()
-    status = proc.wait()
+    try:
+        for line in proc.stderr:
+            m = _ENDED.search(line)
+            if m:
+                ended[int(m.group(1))] = m.group(2)
+                continue
+            if line.startswith("[ring] ") and "MLX_RING_VERBOSE" not in os.environ:
+                continue  # the transport's own account of a lost peer: the error says it
+            reported = reported or line.startswith("mirror-mlx: error")
+            sys.stderr.write(line)
+            sys.stderr.flush()
+        status = proc.wait()
+    except KeyboardInterrupt:
+        # Ctrl-C reached the local ranks too: rank 0 stops the others. Return once they end.
+        try:
+            proc.wait(timeout=STOP_WAIT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
     if not ended:
         return status
     if not reported:

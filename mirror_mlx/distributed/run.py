@@ -4,7 +4,9 @@ target to the engine."""
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
@@ -59,6 +61,9 @@ def pipelined(model: str | None, dtype: str, options: Options, quiet: bool = Fal
             raise SystemExit(0) from None  # rank 0 reports it
         raise
     if rank:
+        if threading.current_thread() is threading.main_thread():
+            # Ctrl-C reaches every local rank: rank 0 decides, and ends the stages with STOP.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
             follow(target.model, link, counts)
         except DistributedError as e:  # rank 0 reports the run's error; this says why here
