@@ -1,13 +1,14 @@
 """Run on every rank (by mlx.launch) in the distributed tests: the default decoders over the
 pipelined target; rank 0 prints one JSON line {mode: {"token_ids", "stats"}}.
 `--other-model` loads another file on rank 1; `--die-after N` kills rank 1 as it gets its
-Nth forward."""
+Nth forward, `--hang-after N` makes it stop answering there."""
 
 import argparse
 import json
 import os
 import signal
 import sys
+import time
 
 import mirror_mlx  # noqa: F401  (first: makes MLX use OpenBLAS where installed)
 from mirror_mlx.api import Engine
@@ -40,6 +41,7 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--prompt", default="Name three colors.")
     p.add_argument("--die-after", type=int, default=0)
+    p.add_argument("--hang-after", type=int, default=0)
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--sampled", action="store_true", help="then SD at temperature 0.8, seed 3")
     p.add_argument("--interleave", action="store_true",
@@ -47,16 +49,18 @@ def main() -> int:
     args = p.parse_args()
     rank = int(os.environ["MLX_RANK"])
     model = args.other_model if rank == 1 and args.other_model else args.model
-    if rank == 1 and args.die_after:
+    if rank == 1 and (args.die_after or args.hang_after):
         run_stage, calls = stage.run_stage, []
 
-        def dying(*a, **k):
+        def failing(*a, **k):
             calls.append(1)
             if len(calls) == args.die_after:
                 os.kill(os.getpid(), signal.SIGKILL)
+            if len(calls) == args.hang_after:
+                time.sleep(3600)  # alive, connected, silent
             return run_stage(*a, **k)
 
-        stage.run_stage = dying
+        stage.run_stage = failing
     try:
         with pipelined(model, "float32", Options("pipeline", args.split, args.timeout),
                        quiet=True) as (target, pipeline):
