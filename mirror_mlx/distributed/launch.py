@@ -58,7 +58,7 @@ def relaunch(argv: list[str], hosts: str | None, hostfile: str | None, port: int
     proc = subprocess.Popen(launch_command(argv, hosts, hostfile, port, program),
                             stderr=subprocess.PIPE, text=True, errors="replace")
     ended: dict[int, str] = {}
-    reported = False
+    errors: set[str] = set()
     try:
         for line in proc.stderr:
             m = _ENDED.search(line)
@@ -67,7 +67,10 @@ def relaunch(argv: list[str], hosts: str | None, hostfile: str | None, port: int
                 continue
             if line.startswith("[ring] ") and "MLX_RING_VERBOSE" not in os.environ:
                 continue  # the transport's own account of a lost peer: the error says it
-            reported = reported or line.startswith("mirror-mlx: error")
+            if line.startswith("mirror-mlx: error"):
+                if line in errors:
+                    continue  # every rank found the same fault in the same arguments
+                errors.add(line)
             sys.stderr.write(line)
             sys.stderr.flush()
         status = proc.wait()
@@ -80,7 +83,7 @@ def relaunch(argv: list[str], hosts: str | None, hostfile: str | None, port: int
         raise
     if not ended:
         return status
-    if not reported:
+    if not errors:
         # The first rank that ended on its own; the launcher then stopped the others.
         rank, how = next(iter(ended.items()))
         print(f"mirror-mlx: error: rank {rank} {how}; every rank stopped", file=sys.stderr)
