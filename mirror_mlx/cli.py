@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from contextlib import contextmanager, nullcontext
 
 from .errors import MirrorError
 from .platform import DRAFT_DEVICES
@@ -56,6 +57,24 @@ def _decoding_args(p: argparse.ArgumentParser) -> None:
                    help="where branch tokens come from")
 
 
+def _distributed_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hosts", default=None, metavar="IP[,IP...]",
+                   help="split the target over processes, one per address (ring backend; "
+                        "an address repeated runs several ranks on that machine; the first "
+                        "is rank 0, which prints). Every host needs this package and model")
+    p.add_argument("--hostfile", default=None, metavar="FILE",
+                   help="as --hosts, from mlx.launch's JSON hostfile")
+    p.add_argument("--parallel", default="auto", choices=("auto", "pipeline", "tensor"),
+                   help="how the target is split across ranks: pipeline (layers per rank; "
+                        "auto means pipeline for now)")
+    p.add_argument("--split", default=None, metavar="N,N,...",
+                   help="pipeline: layers per rank, rank 0 first (rank 0 runs the last ones)")
+    p.add_argument("--ring-port", type=int, default=32323,
+                   help="the ring's first port (one per rank from there)")
+    p.add_argument("--rank-timeout", type=float, default=120.0,
+                   help="seconds a transfer between ranks may take before every rank stops")
+
+
 def _draft_device_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-device", default="auto", choices=DRAFT_DEVICES,
                    help="auto: the Neural Engine (Core ML) where the draft has a package and "
@@ -91,6 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", help="generate a reply to one prompt")
     _model_args(p)
     _decoding_args(p)
+    _distributed_args(p)
     _generation_args(p)
     p.add_argument("--prompt", required=True)
     p.add_argument("--system", default=None, help="system message (with the chat template)")
@@ -102,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("chat", help="interactive chat in the terminal")
     _model_args(p)
     _decoding_args(p)
+    _distributed_args(p)
     _generation_args(p)
     p.add_argument("--system", default=None, help="system message")
 
@@ -117,6 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (/v1/chat/completions, ...)")
     _model_args(p)
     _decoding_args(p)
+    _distributed_args(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; beyond loopback it takes --api-key (or "
                         "--allow-no-auth)")
@@ -271,14 +293,33 @@ def _sampling(args):
                           min_p=args.min_p, seed=args.seed)
 
 
+@contextmanager
 def _engine(args, quiet: bool = False):
     from .api import Engine
 
-    return Engine(args.model, mode=args.mode, draft=args.draft, dtype=args.dtype,
-                  context=args.context, gamma=args.gamma, kappa=args.kappa,
-                  exit_layer=args.exit_layer, exit_head=args.exit_head,
-                  branch_budget=args.branch_budget, branch_source=args.branch_source,
-                  lookup=args.lookup, draft_device=args.draft_device, quiet=quiet)
+    ranks = _ranks(args, quiet)
+    with ranks as split:  # on ranks other than 0 this serves as a stage, then exits
+        target, pipeline = split or (args.model, None)
+        with Engine(target, mode=args.mode, draft=args.draft, dtype=args.dtype,
+                    context=args.context, gamma=args.gamma, kappa=args.kappa,
+                    exit_layer=args.exit_layer, exit_head=args.exit_head,
+                    branch_budget=args.branch_budget, branch_source=args.branch_source,
+                    lookup=args.lookup, draft_device=args.draft_device, quiet=quiet) as engine:
+            if pipeline is not None:
+                from .distributed.run import want_layers
+
+                want_layers(pipeline, engine)
+            yield engine
+
+
+def _ranks(args, quiet: bool):
+    """The target split over the ranks of a launched run, else nothing to do."""
+    if not (args.hosts or args.hostfile):
+        return nullcontext(None)
+    from .distributed.run import Options, pipelined
+
+    return pipelined(args.model, args.dtype, Options(args.parallel, args.split,
+                                                     args.rank_timeout), quiet)
 
 
 def cmd_generate(args) -> None:
@@ -485,8 +526,14 @@ COMMANDS = {"generate": cmd_generate, "chat": cmd_chat, "doctor": cmd_doctor,
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "hosts", None) or getattr(args, "hostfile", None):
+            from .distributed.launch import launched, relaunch
+
+            if not launched():  # start every rank, this command line on each
+                return relaunch(argv, args.hosts, args.hostfile, args.ring_port)
         COMMANDS[args.command](args)
     except MirrorError as e:
         print(f"mirror-mlx: error: {e}", file=sys.stderr)

@@ -39,3 +39,8 @@ class DataFileError(MirrorError):
 
 class MissingExtra(MirrorError):
     """An optional dependency that a command needs is not installed."""
+
+
+class DistributedError(MirrorError):
+    """A run across several processes that cannot go on: a rank died, cannot be reached,
+    did not answer in time, or loaded different weights."""

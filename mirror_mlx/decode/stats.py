@@ -33,6 +33,8 @@ class GenerationStats:
     draft_fault: str = ""  # why the draft was given up mid-generation (decoding went on as AR)
     time_s: dict[str, float] = field(default_factory=dict)  # target_prefix, draft, wait, ...
     overlap_fraction: float = 0.0  # share of draft time hidden under target compute
+    ranks: int = 1  # processes that ran the target
+    split: list[int] = field(default_factory=list)  # its layers per rank, rank 0 first
 
     @property
     def prompt_tokens_per_second(self) -> float:

@@ -34,6 +34,7 @@ class LoadedModel:
     context_length: int
     eos_token_ids: frozenset[int]
     dtype: str
+    split: tuple[int, ...] = ()  # layers per rank, rank 0 first, when split over processes
 
     @property
     def vocab_size(self) -> int:

@@ -88,17 +88,23 @@ def start(model: nn.Module, tokens: mx.array, cache: list, taps=()) -> Pass:
     scale = embed_scale(model)
     if scale is not None:
         h = h * scale.astype(h.dtype)
-    # As the families' own forward: one mask per window, made from the cache of the first
-    # layer with that window (gemma 2 wants masks as arrays).
+    return Pass(h, layer_masks(model, h, cache), cache, tuple(taps))
+
+
+def layer_masks(model: nn.Module, h: mx.array, cache: list, begin: int = 0,
+                end: int | None = None) -> list:
+    """The masks of layers [begin, end) for the window `h`. As the families' own forward:
+    one mask per window, made from the cache of the first of these layers with that window
+    (gemma 2 wants masks as arrays)."""
     array = model.model_type == "gemma2"
     made: dict = {}
     masks = []
-    for i, window in enumerate(layer_windows(model)):
+    for i, window in enumerate(layer_windows(model)[begin:end], start=begin):
         if window not in made:
             made[window] = create_attention_mask(h, cache[i], window_size=window,
                                                  return_array=array)
         masks.append(made[window])
-    return Pass(h, masks, cache, tuple(taps))
+    return masks
 
 
 def run_layers(model: nn.Module, p: Pass, begin: int, end: int) -> mx.array:

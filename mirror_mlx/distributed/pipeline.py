@@ -1,0 +1,97 @@
+"""Rank 0's side of the pipeline: the target with its first layers replaced by stand-ins
+that hand the window to the other ranks. The decoders and the session run this model as
+they run any target (mlx-lm's forward, or models/split.py's layer by layer), so they need
+no change: the first stand-in sends the window's hidden states around the ring and gets
+back the last remote layer's output (and the outputs of the layers the draft or the early
+exit read); the other stand-ins return those. A stand-in's cache only counts positions, so
+the trims the decoders make reach the stages with the next window, as its `offset`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from types import SimpleNamespace
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from ..errors import InvalidParameter
+from .protocol import DTYPES, FORWARD, STOP, Header, Link
+
+
+class Pipeline:
+    """The ring as rank 0 sees it: layers [0, end) run on ranks 1..n-1."""
+
+    def __init__(self, model: nn.Module, link: Link, counts: tuple[int, ...]):
+        self.link = link
+        self.counts = counts
+        self.end = sum(counts[1:])
+        self.keep: tuple[int, ...] = ()
+        self.hidden = model.args.hidden_size
+        self._outputs: dict[int, mx.array] = {}
+        self._driver = None  # the cache (one session's) whose positions the stages hold
+        self._stopped = False
+        layers = model.model.layers
+        for i in range(self.end):
+            layers[i] = RemoteLayer(self, i, layers[i])
+
+    def want(self, after: Iterable[int]) -> None:
+        """Bring back the hidden states after these many layers (taps, exit layers) when
+        the stages hold them."""
+        self.keep = tuple(sorted({n - 1 for n in after if 0 < n < self.end}))
+
+    def layer(self, i: int, h: mx.array, cache) -> mx.array:
+        offset = cache.offset
+        if i == 0 and cache is not self._driver:
+            # The stages keep one cache: another session may only start from scratch.
+            if offset:
+                raise InvalidParameter("across ranks, one conversation at a time: the other "
+                                       "ranks hold another session's cache")
+            self._driver = cache
+        cache.offset += h.shape[1]
+        if i == 0:
+            self._outputs = self._forward(h, offset)
+        return self._outputs.get(i, h)
+
+    def _forward(self, h: mx.array, offset: int) -> dict[int, mx.array]:
+        header = Header(FORWARD, h.shape[1], offset, DTYPES.index(h.dtype), self.keep)
+        rows = [h[0]] + [mx.zeros_like(h[0])] * len(self.keep)
+        self.link.send(header.array(), 1, "a request")
+        self.link.send(mx.stack(rows), 1, "hidden states")
+        size = self.link.group.size()
+        back = self.link.recv(header.payload_shape(self.hidden), h.dtype, size - 1,
+                              "hidden states")
+        outputs = {i: back[j + 1 : j + 2] for j, i in enumerate(self.keep)}
+        outputs[self.end - 1] = back[:1]
+        return outputs
+
+    def stop(self) -> None:
+        """Tell the stages the run is over (once)."""
+        if not self._stopped:
+            self._stopped = True
+            self.link.send(Header(STOP).array(), 1, "the end of the run")
+
+
+class StandIn(nn.Module):
+    """In place of a layer this rank does not run: it keeps the attributes the families'
+    forwards read from a layer (which attention window it uses), not its weights."""
+
+    def __init__(self, layer: nn.Module):
+        super().__init__()
+        self.use_sliding = getattr(layer, "use_sliding", False)
+        self.self_attn = SimpleNamespace(
+            is_sliding=getattr(getattr(layer, "self_attn", None), "is_sliding", False))
+
+    def __call__(self, h: mx.array, mask=None, cache=None) -> mx.array:
+        raise RuntimeError("this rank does not run this layer")
+
+
+class RemoteLayer(StandIn):
+    """Stands in for layer `index`, which another rank runs."""
+
+    def __init__(self, pipeline: Pipeline, index: int, layer: nn.Module):
+        super().__init__(layer)
+        self._pipeline = pipeline
+        self.index = index
+
+    def __call__(self, h: mx.array, mask=None, cache=None) -> mx.array:
+        return self._pipeline.layer(self.index, h, cache)

@@ -1,0 +1,83 @@
+"""What rank 0 and the stages say to each other, and how each transfer is made.
+
+Every message has a shape both sides know before it is sent (MLX's transports do not carry
+shapes): a fixed-size header first, then the hidden states whose shape the header gives.
+Each transfer is evaluated at once: ranks that evaluate collectives in different orders
+deadlock. Each is bounded by the watchdog (watchdog.py) except a stage's wait for rank 0's
+next request, which may come after a user has typed for minutes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from ..errors import DistributedError
+from .watchdog import Watchdog
+
+HEADER = 16
+MAX_KEEP = HEADER - 5
+FORWARD, STOP = 1, 2
+DTYPES = (mx.float32, mx.float16, mx.bfloat16)
+
+
+@dataclass(frozen=True)
+class Header:
+    """FORWARD: a window of `length` positions whose hidden states follow, to be appended
+    after the first `offset` positions of each stage's cache (a stage trims what rank 0 has
+    trimmed since: rejected drafts). `keep`: the layers whose outputs travel back too (the
+    draft's features, Mirror-SD's early exit), in order. STOP: the run is over."""
+
+    op: int
+    length: int = 0
+    offset: int = 0
+    dtype: int = 0  # index into DTYPES
+    keep: tuple[int, ...] = ()
+
+    def array(self) -> mx.array:
+        if len(self.keep) > MAX_KEEP:
+            raise DistributedError(f"at most {MAX_KEEP} layers' outputs can travel back "
+                                   f"(asked for {len(self.keep)})")
+        values = [self.op, self.length, self.offset, self.dtype, len(self.keep), *self.keep]
+        return mx.array(values + [-1] * (HEADER - len(values)), dtype=mx.int32)
+
+    @staticmethod
+    def of(a: mx.array) -> Header:
+        v = a.tolist()
+        return Header(v[0], v[1], v[2], v[3], tuple(v[5 : 5 + v[4]]))
+
+    def payload_shape(self, hidden: int) -> tuple[int, int, int]:
+        """The hidden states: the current one, then one per kept layer."""
+        return (1 + len(self.keep), self.length, hidden)
+
+
+class Link:
+    """This rank's point-to-point transfers in `group`, each evaluated at once and bounded
+    by `timeout` seconds."""
+
+    def __init__(self, group, timeout: float, watchdog: Watchdog):
+        self.group = group
+        self.timeout = timeout
+        self.watchdog = watchdog
+
+    def send(self, x: mx.array, dst: int, what: str) -> None:
+        self._eval(mx.distributed.send(x, dst, group=self.group), f"sending {what} to rank {dst}",
+                   self.timeout)
+
+    def recv(self, shape, dtype, src: int, what: str, bounded: bool = True) -> mx.array:
+        x = mx.distributed.recv(shape, dtype, src, group=self.group)
+        self._eval(x, f"waiting for {what} from rank {src}", self.timeout if bounded else None)
+        return x
+
+    def gather(self, x: mx.array, what: str) -> mx.array:
+        out = mx.distributed.all_gather(x, group=self.group)
+        self._eval(out, f"exchanging {what}", self.timeout)
+        return out
+
+    def _eval(self, x: mx.array, doing: str, timeout: float | None) -> None:
+        with self.watchdog.bound(doing, timeout):
+            try:
+                mx.eval(x)
+            except RuntimeError as e:
+                raise DistributedError(f"{doing} failed: {e} (a rank died or cannot be "
+                                       "reached)") from e

@@ -1,0 +1,94 @@
+"""One rank's part in a run: join the group, load the target, check that every rank loaded
+the same, then either serve as a stage until rank 0 is done, or (rank 0) hand the pipelined
+target to the engine."""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+import mlx.core as mx
+
+from ..errors import DistributedError, InvalidParameter
+from ..models import split as split_model
+from ..models.load import load
+from .check import check_ranks
+from .pipeline import Pipeline
+from .plan import layer_counts
+from .protocol import Link
+from .stage import follow
+from .watchdog import Watchdog
+
+PARALLEL = ("auto", "pipeline", "tensor")
+
+
+@dataclass
+class Options:
+    parallel: str = "auto"
+    split: str | None = None  # layers per rank, rank 0 first ("15,15")
+    timeout: float = 120.0  # seconds a transfer may take before the run stops
+
+
+def join() -> object:
+    try:
+        return mx.distributed.init(backend="ring", strict=True)
+    except RuntimeError as e:
+        raise DistributedError(f"could not join the other ranks: {e}") from e
+
+
+@contextmanager
+def pipelined(model: str | None, dtype: str, options: Options, quiet: bool = False):
+    """Rank 0: yields (the target whose first layers run on the other ranks, its Pipeline),
+    and stops the stages at the end. Other ranks: serve as a stage, then exit."""
+    if options.parallel not in PARALLEL:
+        raise InvalidParameter(f"--parallel must be one of {', '.join(PARALLEL)}")
+    if options.parallel == "tensor":
+        raise InvalidParameter("--parallel tensor is not implemented yet; use pipeline")
+    group = join()
+    rank = group.rank()
+    target = load(model, dtype=dtype, quiet=quiet or rank != 0)
+    split_model.check_splittable(target.model)
+    counts = layer_counts(target.num_layers, group.size(), options.split)
+    link = Link(group, options.timeout, Watchdog(rank))
+    try:
+        check_ranks(link, target.path, {"parallel": "pipeline", "split": list(counts),
+                                        "dtype": target.dtype})
+    except DistributedError:
+        if rank:
+            raise SystemExit(0) from None  # rank 0 reports it
+        raise
+    if rank:
+        if threading.current_thread() is threading.main_thread():
+            # Ctrl-C reaches every local rank: rank 0 decides, and ends the stages with STOP.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            follow(target.model, link, counts)
+        except DistributedError as e:  # rank 0 reports the run's error; this says why here
+            print(f"mirror-mlx: rank {rank} stopped: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(1) from None
+        raise SystemExit(0)
+    pipeline = Pipeline(target.model, link, counts)
+    failed = False
+    try:
+        yield replace(target, split=counts), pipeline
+    except DistributedError:
+        failed = True  # the ring is broken: nothing more can be sent
+        raise
+    finally:
+        if not failed:
+            pipeline.stop()
+
+
+def want_layers(pipeline: Pipeline, engine) -> None:
+    """Bring back what rank 0 reads from the stages' layers: the draft's features and
+    Mirror-SD's early exit."""
+    after = list(engine.drafter.feature_layers) if engine.drafter is not None else []
+    settings = engine.session.settings
+    if settings.mode == "mirror":
+        head = settings.mirror.exit_head
+        after.append(head.layer if head else settings.mirror.exit_layer)
+    pipeline.want(after)
+

@@ -1,0 +1,135 @@
+"""The target split over processes (ring backend on loopback, launched by mlx.launch): the
+decoders across ranks give single-process AR's tokens, the features and the early exit that
+travel back from the stages are the target's, and a dead rank or different weights end the
+run with one error instead of a hang."""
+
+import json
+import os
+import random
+import socket
+from pathlib import Path
+
+from mirror_mlx.api import Engine
+from mirror_mlx.cli import main as cli_main
+from mirror_mlx.decode.sampling import SamplingParams
+from mirror_mlx.distributed.launch import relaunch
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RANKS = str(Path(__file__).with_name("ranks.py"))
+PROMPT = "Name three colors."
+SAMPLED = SamplingParams(temperature=0.8, seed=3)  # as tests/distributed/ranks.py --sampled
+
+
+def free_ports(n: int) -> int:
+    """A first port from which `n` ports are free now (other runs may share this host)."""
+    for _ in range(100):
+        first = random.randrange(20000, 60000)
+        try:
+            for port in range(first, first + n):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+    raise RuntimeError("no free ports")
+
+
+@pytest.fixture(autouse=True)
+def _ranks_env(monkeypatch):
+    # The ranks import this checkout, and a rank that hangs must not outlive the test.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, (
+        str(ROOT), os.environ.get("PYTHONPATH")))))
+
+
+@pytest.fixture(scope="module")
+def single(target):
+    """Single-process references: AR's tokens, SD's acceptance with the same fixed gamma."""
+    out = {}
+    for mode in ("ar", "sd"):
+        with Engine(target, mode=mode, gamma=4, quiet=True) as engine:
+            out[mode] = engine.generate(PROMPT, max_tokens=16)
+    with Engine(target, mode="sd", gamma=4, quiet=True) as engine:
+        out["sd-sampled"] = engine.generate(PROMPT, max_tokens=16, sampling=SAMPLED)
+    return out
+
+
+def run_ranks(capfd, ranks: int, *args: str) -> tuple[int, str, str]:
+    status = relaunch(list(args), ",".join(["127.0.0.1"] * ranks), None, free_ports(ranks),
+                      (RANKS,))
+    out, err = capfd.readouterr()
+    return status, out, err
+
+
+def test_generate_on_two_ranks_equals_single_process(single, capfd):
+    """The CLI relaunches itself on 2 ranks; SD's tokens are AR's, and with a fixed gamma it
+    accepts exactly what it accepts in one process: the draft got the target's features
+    (layers 3 and 15 of 30 run on rank 1)."""
+    status = cli_main(["generate", "--prompt", PROMPT, "--max-tokens", "16", "--json",
+                       "--mode", "sd", "--gamma", "4", "--hosts", "127.0.0.1,127.0.0.1",
+                       "--ring-port", str(free_ports(2))])
+    out, err = capfd.readouterr()
+    assert status == 0, err
+    reply = json.loads(out.strip().splitlines()[-1])
+    assert reply["token_ids"] == single["ar"].token_ids
+    stats = reply["stats"]
+    assert (stats["ranks"], stats["split"]) == (2, [15, 15])
+    assert (stats["draft_tokens"], stats["accepted_tokens"]) == \
+        (single["sd"].stats.draft_tokens, single["sd"].stats.accepted_tokens)
+
+
+def test_three_ranks_all_decoders_equal_single_process(single, default_gguf, capfd):
+    """AR, SD and Mirror-SD over 3 ranks with rank 0 holding only layers 27-30: the early
+    exit (after layer 25) and the draft's feature layers (3, 15, 25) come back from ranks 1
+    and 2."""
+    status, out, err = run_ranks(capfd, 3, "--model", str(default_gguf), "--split",
+                                 "4,13,13", "--branch-budget", "1", "--interleave", "--sampled")
+    assert status == 0, err
+    replies = json.loads(out.strip().splitlines()[-1])
+    for mode in ("ar", "sd", "mirror"):
+        assert replies[mode]["token_ids"] == single["ar"].token_ids, mode
+        assert replies[mode]["stats"]["split"] == [4, 13, 13]
+    sd = replies["sd"]["stats"]
+    assert (sd["draft_tokens"], sd["accepted_tokens"]) == \
+        (single["sd"].stats.draft_tokens, single["sd"].stats.accepted_tokens)
+    mirror = replies["mirror"]["stats"]
+    # The exit read the wrong hidden state -> its guesses would almost never hold the token.
+    assert mirror["exit_positions"] > 0
+    assert mirror["exit_covered"] / mirror["exit_positions"] >= 0.5, mirror
+    # Seeded sampling: the same draws on the same target distributions.
+    assert replies["sd-sampled"]["token_ids"] == single["sd-sampled"].token_ids
+    # The stages hold one session's cache: continuing another one is refused, not garbled.
+    assert "one conversation at a time" in replies["interleaved"]
+
+
+def test_dead_rank_ends_the_run_with_one_error(default_gguf, capfd):
+    status, out, err = run_ranks(capfd, 2, "--model", str(default_gguf), "--modes", "ar",
+                                 "--die-after", "3", "--timeout", "60")
+    assert status == 1
+    assert out.strip() == ""
+    assert err.count("mirror-mlx: error") == 1, err
+    assert "rank 1" in err
+
+
+def test_silent_rank_ends_the_run_at_the_bound(default_gguf, capfd):
+    """A rank alive but silent: only the watchdog can end the wait inside MLX."""
+    status, out, err = run_ranks(capfd, 2, "--model", str(default_gguf), "--modes", "ar",
+                                 "--hang-after", "3", "--timeout", "15")
+    assert status == 1
+    assert out.strip() == ""
+    assert err.count("mirror-mlx: error") == 1, err
+    assert "no answer within 15 s while waiting for hidden states from rank 1" in err
+
+
+def test_different_weights_are_refused(default_gguf, tmp_path, capfd):
+    other = tmp_path / "other.gguf"
+    data = bytearray(Path(default_gguf).read_bytes())
+    data[-100] ^= 1  # one bit of the last tensor
+    other.write_bytes(data)
+    status, out, err = run_ranks(capfd, 2, "--model", str(default_gguf), "--modes", "ar",
+                                 "--other-model", str(other))
+    assert status == 1
+    assert out.strip() == ""
+    assert err.count("mirror-mlx: error") == 1, err
+    assert "rank 1 loaded different weights" in err

@@ -1,0 +1,33 @@
+"""A stage's share of the layers, on its own cache (the layers before it never ran there),
+computes what the whole model computes, for every family the split runs: masks made from
+the stage's own first layers, sliding windows included, through a prefill, steps and a trim
+(rejected drafts)."""
+
+from mirror_mlx.distributed.stage import run_stage
+from mirror_mlx.models import split
+
+import mlx.core as mx
+import pytest
+
+from tests.families.tiny import FAMILIES, tiny
+
+# Longer than the tiny models' sliding windows (6 tokens), so windows matter.
+PROMPT = [1, 504, 3125, 30, 7382, 281, 260, 3429, 28, 665, 1670, 314, 253, 5728, 30, 1115]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_stage_is_the_model(family):
+    model = tiny(family)
+    n = len(model.model.layers)
+    tokens = mx.array([PROMPT])
+    first, stage, whole = (split.make_cache(model) for _ in range(3))
+    for a, b, trim in ((0, 9, 0), (9, 13, 2), (11, 16, 0)):
+        p = split.start(model, tokens[:, a:b], first)
+        x = split.run_layers(model, p, 0, 2)
+        x = run_stage(model, mx.concatenate([x, mx.zeros_like(x)]), stage, 2, n, (2,))
+        # Layer 2 is kept: its output travels back beside the last layer's.
+        reference, (after3,) = split.forward(model, tokens[:, a:b], whole, taps=(3,))
+        assert mx.array_equal(split.final_logits(model, x[:1]), reference), family
+        assert mx.array_equal(x[1:], after3), family
+        for c in first + stage + whole:
+            c.trim(trim)
