@@ -536,7 +536,8 @@ def main(argv: list[str] | None = None) -> int:
                 return relaunch(argv, args.hosts, args.hostfile, args.ring_port)
         COMMANDS[args.command](args)
     except MirrorError as e:
-        print(f"mirror-mlx: error: {e}", file=sys.stderr)
+        # One line, whatever the message quotes (a library's error may span several).
+        print(f"mirror-mlx: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)

@@ -309,9 +309,14 @@ def load_package(package: str | Path):
         raise ModelLoadError(f"{package}: not a Core ML package (.mlpackage folder)")
     ct = import_coremltools()
     try:
-        return ct.utils.load_spec(str(package))
+        spec = ct.utils.load_spec(str(package))
     except Exception as e:  # coremltools raises bare Exceptions for broken packages
         raise ModelLoadError(f"{package}: unreadable Core ML package ({e})") from e
+    # An empty or cut model file parses as an empty spec: no version, no model in it.
+    if not spec.specificationVersion or spec.WhichOneof("Type") is None:
+        raise ModelLoadError(f"{package}: unreadable Core ML package (its model file holds "
+                             "no model)")
+    return spec
 
 
 def read_package_spec(package: str | Path) -> PackageSpec:

@@ -31,7 +31,7 @@ from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
 
 from ..errors import ModelLoadError
 from ..models import split
-from ..models.load import dequantize
+from ..models.load import check_weights, dequantize, quantized_paths
 
 FORMAT = "mirror-mlx-draft"
 
@@ -380,7 +380,7 @@ class DraftNet(nn.Module):
     def is_draft_folder(folder: Path) -> bool:
         try:
             return json.loads((folder / "config.json").read_text()).get("format") == FORMAT
-        except (OSError, ValueError):
+        except (OSError, ValueError, AttributeError):  # AttributeError: not a JSON object
             return False
 
     @staticmethod
@@ -395,20 +395,35 @@ class DraftNet(nn.Module):
             quant = raw.pop("quantization", None)
             config = DraftConfig(**raw)
             weights = mx.load(str(folder / "weights.safetensors"))
-        except (OSError, ValueError, TypeError, KeyError, RuntimeError) as e:
+        except (OSError, ValueError, TypeError, KeyError, RuntimeError, AttributeError) as e:
             raise ModelLoadError(f"{folder}: not a readable draft ({e})") from e
+        _check_config(config, quant, weights, embedding, folder)
         net = DraftNet(config)
         if quant:
             nn.quantize(net, group_size=quant["group_size"], bits=quant["bits"],
                         class_predicate=_quantizable)
         if config.shared_embedding and embedding is None:
             raise ModelLoadError(f"{folder}: this draft reads the target's embedding")
+        # load_weights(strict=False) checks neither shapes nor dtypes: a config that lies
+        # about a width would only fail (or compute garbage) at the first forward.
+        expected = dict(tree_flatten(net.parameters()))
+        unexpected = sorted(set(weights) - set(expected))
+        if unexpected:
+            raise ModelLoadError(f"{folder}: weights the config has no place for "
+                                 f"{unexpected[:3]}")
+        for k, w in weights.items():
+            if w.shape != expected[k].shape:
+                raise ModelLoadError(f"{folder}: weights do not match the config ('{k}' is "
+                                     f"{tuple(w.shape)}, the config makes it "
+                                     f"{tuple(expected[k].shape)})")
+        check_weights(weights.items(), str(folder), quantized_paths(net))
         try:
             net.load_weights(list(weights.items()), strict=False)
         except ValueError as e:
             raise ModelLoadError(f"{folder}: weights do not match the config ({e})") from e
-        missing = {k for k, _ in tree_flatten(net.parameters())} - set(weights)
-        missing = {k for k in missing if not k.startswith("embed_tokens.")}
+        missing = set(expected) - set(weights)
+        if config.shared_embedding:
+            missing = {k for k in missing if not k.startswith("embed_tokens.")}
         if missing:
             raise ModelLoadError(f"{folder}: missing weights {sorted(missing)[:3]}")
         if quant and dtype != "quantized":
@@ -420,6 +435,48 @@ class DraftNet(nn.Module):
 
 
 QUANT_GROUP = 64
+
+
+def _check_config(c: DraftConfig, quant, weights: dict, embedding, folder: Path) -> None:
+    """What a saved config must satisfy before a net is built from it (a lie about a size
+    would build a net that fails, hangs or computes garbage at its first forward)."""
+    def bad(what: str) -> ModelLoadError:
+        return ModelLoadError(f"{folder}: damaged draft config ({what})")
+
+    sizes = ("hidden_size", "num_layers", "intermediate_size", "num_heads", "num_kv_heads",
+             "head_dim", "vocab_size", "embed_size")
+    for name in sizes:
+        v = getattr(c, name)
+        if type(v) is not int or v < 1:
+            raise bad(f"{name} {v!r} is not a positive integer")
+    if c.num_heads % c.num_kv_heads:
+        raise bad(f"{c.num_heads} heads do not share {c.num_kv_heads} KV heads evenly")
+    for name in ("stream_count", "feature_size"):
+        v = getattr(c, name)
+        if type(v) is not int or v < 0:
+            raise bad(f"{name} {v!r} is not a count")
+    for name in ("rms_norm_eps", "rope_theta"):
+        v = getattr(c, name)
+        if not isinstance(v, (int, float)) or not 0 < v < float("inf"):
+            raise bad(f"{name} {v!r} is not a positive number")
+    if not isinstance(c.head_tokens, list) or not all(
+            type(t) is int and 0 <= t < c.vocab_size for t in c.head_tokens):
+        raise bad(f"head_tokens must be token ids below {c.vocab_size}")
+    if not isinstance(c.feature_layers, list) or not all(
+            type(n) is int and n > 0 for n in c.feature_layers) or (
+            c.feature_layers and c.feature_size < 1):
+        raise bad("feature_layers must be layer numbers from 1, with a feature_size")
+    if not isinstance(c.target, dict):
+        raise bad("target is not an object")
+    layers = {k.split(".")[1] for k in weights if k.startswith("layers.")}
+    if len(layers) != c.num_layers:
+        raise bad(f"num_layers {c.num_layers}, the weights hold {len(layers)} layers")
+    rows = getattr(embedding, "weight", None)
+    if c.shared_embedding and rows is not None and rows.shape[0] != c.vocab_size:
+        raise bad(f"vocab_size {c.vocab_size}, the target's embedding has {rows.shape[0]} rows")
+    if quant is not None and not (isinstance(quant, dict) and quant.get("bits") in (2, 3, 4, 5,
+                                  6, 8) and quant.get("group_size") in (32, 64, 128)):
+        raise bad(f"quantization {quant!r}")
 
 
 def _quantizable(path: str, module: nn.Module) -> bool:

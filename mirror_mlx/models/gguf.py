@@ -159,8 +159,8 @@ def _parse(buf: mmap.mmap, path: Path, size: int) -> GGUFHeader:
             ttype = r.scalar("<I", name)
             offset = r.scalar("<Q", name)
             infos.append((name, shape, ttype, offset))
-        alignment = int(metadata.get("general.alignment", 32))
-        if alignment <= 0 or alignment & (alignment - 1):
+        alignment = metadata.get("general.alignment", 32)
+        if type(alignment) is not int or alignment <= 0 or alignment & (alignment - 1):
             raise r.fail(f"alignment {alignment} is not a power of two")
         data_start = (r.pos + alignment - 1) // alignment * alignment
         tensors = {}
@@ -183,9 +183,30 @@ def _parse(buf: mmap.mmap, path: Path, size: int) -> GGUFHeader:
                     f"{size}-byte file"
                 )
             tensors[name] = TensorInfo(name, shape, type_name, offset, nbytes)
+        _check_packing(r, list(tensors.values()), alignment, data_start, size)
         return GGUFHeader(path, version, metadata, tensors, data_start)
     except (struct.error, OverflowError, MemoryError) as e:
         raise ModelLoadError(f"{path}: corrupt GGUF header ({e})") from e
+
+
+def _check_packing(r: _Reader, tensors: list[TensorInfo], alignment: int, data_start: int,
+                   size: int) -> None:
+    """Writers lay tensors end to end, each padded to the alignment, the last at the file's
+    end: a tensor that overlaps the next or leaves a gap has a type or shape that misstates
+    its size (F16 bytes read as Q4_0 would load, as garbage)."""
+    tensors = sorted(tensors, key=lambda t: t.offset)
+    if tensors:
+        last = tensors[-1]
+        tail = size - (data_start + last.offset + last.nbytes)
+        if not 0 <= tail < alignment:
+            raise r.fail(f"tensor '{last.name}' ({last.type_name}, shape {last.shape}: "
+                         f"{last.nbytes} bytes) ends {tail} bytes before the file does")
+    for t, after in zip(tensors, tensors[1:]):
+        end = (t.offset + t.nbytes + alignment - 1) // alignment * alignment
+        if end != after.offset:
+            raise r.fail(f"tensor '{t.name}' ({t.type_name}, shape {t.shape}: {t.nbytes} "
+                         f"bytes at offset {t.offset}) does not end where '{after.name}' "
+                         f"begins (offset {after.offset})")
 
 
 def load_tensors(header: GGUFHeader) -> dict[str, mx.array]:
@@ -250,14 +271,58 @@ def model_config(header: GGUFHeader) -> dict[str, Any]:
         raise ModelLoadError(f"{header.path}: rope scaling '{scaling}' is not supported")
     try:
         config = _llama_config(header) if arch == "llama" else _gemma3_config(header)
-    except (TypeError, KeyError, ValueError) as e:
+        if scaling == "linear":
+            config["rope_scaling"] = {
+                "type": "linear",
+                "factor": float(header.arch_value("rope.scaling.factor", 1.0)),
+            }
+    except (TypeError, KeyError, ValueError, ArithmeticError) as e:
         raise ModelLoadError(f"{header.path}: {arch} metadata is incomplete ({e})") from e
-    if scaling == "linear":
-        config["rope_scaling"] = {
-            "type": "linear",
-            "factor": float(header.arch_value("rope.scaling.factor", 1.0)),
-        }
+    _check_config(header, config)
     return config
+
+
+def _check_config(header: GGUFHeader, config: dict[str, Any]) -> None:
+    """Sizes that agree with the tensor table, and numbers a model can run with, before a
+    model is built from them: a layer count of 2^40 would build for ever, a NaN epsilon or
+    rope base would decode garbage without an error."""
+    def bad(what: str) -> ModelLoadError:
+        return ModelLoadError(f"{header.path}: {header.architecture} metadata is wrong ({what})")
+
+    for key in ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads",
+                "num_key_value_heads", "vocab_size", "max_position_embeddings", "head_dim"):
+        if not 0 < config[key] < 2**31:
+            raise bad(f"{key} is {config[key]}")
+    if config["num_attention_heads"] % config["num_key_value_heads"]:
+        raise bad(f"{config['num_attention_heads']} heads do not share "
+                  f"{config['num_key_value_heads']} KV heads evenly")
+    numbers = {"rms_norm_eps": config["rms_norm_eps"], "rope_theta": config["rope_theta"],
+               "rope scaling factor": config.get("rope_scaling", {}).get("factor", 1.0)}
+    for key, v in numbers.items():
+        if not 0 < v < float("inf"):
+            raise bad(f"{key} is {v}")
+    layers = {name.split(".")[1] for name in header.tensors if name.startswith("blk.")}
+    if len(layers) != config["num_hidden_layers"]:
+        raise bad(f"block_count is {config['num_hidden_layers']}, the file has tensors for "
+                  f"{len(layers)} layers")
+    embedding = header.tensors.get("token_embd.weight")
+    if embedding is None:
+        raise bad("no token_embd.weight tensor")
+    if embedding.shape != (config["hidden_size"], config["vocab_size"]):
+        raise bad(f"token_embd.weight is {embedding.shape}, the metadata makes it "
+                  f"({config['hidden_size']}, {config['vocab_size']})")
+    for key in ("bos", "eos", "eot", "unknown", "padding"):
+        token = header.metadata.get(f"tokenizer.ggml.{key}_token_id")
+        if token is not None and not (type(token) is int and 0 <= token < config["vocab_size"]):
+            raise bad(f"tokenizer.ggml.{key}_token_id {token!r} is not a token id below "
+                      f"{config['vocab_size']}")
+    template = header.metadata.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise bad("tokenizer.chat_template is not text")
+    up = header.tensors.get("blk.0.ffn_up.weight")
+    if up is not None and up.shape[-1] != config["intermediate_size"]:
+        raise bad(f"feed_forward_length is {config['intermediate_size']}, blk.0.ffn_up.weight "
+                  f"is {up.shape}")
 
 
 def _common_config(header: GGUFHeader) -> dict[str, Any]:

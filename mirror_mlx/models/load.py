@@ -5,6 +5,7 @@ its tokenizer and what the engine needs."""
 from __future__ import annotations
 
 import importlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,15 +97,17 @@ def _load_gguf(path: Path, dtype: str, name: str) -> LoadedModel:
     except (TypeError, ValueError, KeyError, IndexError) as e:
         # Values of the wrong type or range in a header that is otherwise well formed.
         raise ModelLoadError(f"{path}: malformed metadata ({type(e).__name__}: {e})") from e
-    weights = gguf.to_mlx_lm(header, config, gguf.load_tensors(header))
-    arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    model = arch.Model(arch.ModelArgs.from_dict(config))
-    # Drops the output projection where the file ties it to the embedding.
-    weights = model.sanitize(weights)
-    _quantize_like(model, weights)
     try:
+        weights = gguf.to_mlx_lm(header, config, gguf.load_tensors(header))
+        arch = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+        model = arch.Model(arch.ModelArgs.from_dict(config))
+        # Drops the output projection where the file ties it to the embedding.
+        weights = model.sanitize(weights)
+        _quantize_like(model, weights)
         model.load_weights(list(weights.items()), strict=True)
-    except ValueError as e:
+    except (ValueError, RuntimeError, OverflowError, ArithmeticError, KeyError) as e:
+        # Tensors whose shapes or types the metadata did not foretell (its sizes are checked
+        # against the tensor table, not every tensor against every size).
         raise ModelLoadError(
             f"{path}: tensors do not match the {header.architecture} layout ({e})"
         ) from e
@@ -131,12 +134,15 @@ def _quantize_like(model: nn.Module, weights: dict[str, mx.array]) -> None:
 def _load_mlx_lm(spec: str, dtype: str, name: str) -> LoadedModel:
     from mlx_lm.utils import load as mlx_lm_load
 
+    if Path(spec).is_dir():
+        _check_layer_count(Path(spec))
     try:
         model, wrapper, config = mlx_lm_load(spec, return_config=True)
     except Exception as e:  # mlx-lm and the hub raise many types; all mean "cannot load this"
         where = "from the Hugging Face Hub" if not Path(spec).exists() else ""
         raise ModelLoadError(f"{spec}: cannot load {where}({type(e).__name__}: {e})") from e
     path = Path(spec) if Path(spec).exists() else Path(getattr(wrapper, "name_or_path", spec))
+    _check_numbers(config, spec)
     if config.get("model_type") == "gemma3":
         # Gemma 3 4B and up: mlx-lm runs the text model inside, and so do we (it can split).
         model = model.language_model
@@ -146,10 +152,61 @@ def _load_mlx_lm(spec: str, dtype: str, name: str) -> LoadedModel:
         or getattr(wrapper._tokenizer, "model_max_length", 4096)
     )
     eos = set(wrapper.eos_token_ids)
+    vocab = getattr(getattr(model, "args", None), "vocab_size", None)
+    ids = wrapper._tokenizer.get_vocab().values()
+    if isinstance(vocab, int) and ids and max(ids) >= vocab:
+        raise ModelLoadError(f"{spec}: the tokenizer has token ids up to {max(ids)}, the "
+                             f"model's vocabulary is {vocab} tokens")
     return _finish(model, wrapper._tokenizer, name, path, context, eos, dtype)
 
 
+def _check_layer_count(folder: Path) -> None:
+    """A config.json whose layer count exceeds the layers in the weights: mlx-lm would build
+    every layer before finding out (10^9 layers: for ever). The weights' names are read from
+    the safetensors headers only."""
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        layers = config.get("num_hidden_layers", config.get("text_config", {}).get(
+            "num_hidden_layers"))
+    except (OSError, ValueError, AttributeError):
+        return  # mlx-lm reports the unreadable config itself
+    if type(layers) is not int:
+        if layers is not None:
+            raise ModelLoadError(f"{folder}: config.json's num_hidden_layers is {layers!r}")
+        return
+    found = set()
+    for f in folder.glob("*.safetensors"):
+        try:
+            with open(f, "rb") as stream:
+                size = int.from_bytes(stream.read(8), "little")
+                names = json.loads(stream.read(min(size, 1 << 26)))
+        except (OSError, ValueError):
+            continue  # mlx-lm reports the unreadable file itself
+        found |= {m.group(1) for n in names if (m := _LAYER.search(n))}
+    if found and not 0 < layers <= len(found):
+        raise ModelLoadError(f"{folder}: config.json says {layers} layers, the weights hold "
+                             f"{len(found)}")
+
+
+_LAYER = re.compile(r"layers\.(\d+)\.")
+
+
+def _check_numbers(config: dict, spec: str) -> None:
+    """The config's numbers that mlx-lm passes on unchecked, to fail (or compute NaN) at the
+    first forward instead."""
+    for key in ("rms_norm_eps", "rope_theta"):
+        v = config.get(key, 1.0)
+        if type(v) not in (int, float) or not 0 < v < float("inf"):
+            raise ModelLoadError(f"{spec}: config.json's {key} is {v!r}, not a positive number")
+
+
 def _finish(model, tokenizer, name, path, context, eos, dtype) -> LoadedModel:
+    if context < 1:
+        raise ModelLoadError(f"{path}: context length {context} is not positive")
+    # Checked as stored: quantized weights are integers, so only their scales and biases are
+    # read (a third of the cost of reading the dequantized floats), and dequantizing finite
+    # values gives finite values.
+    check_weights(tree_flatten(model.parameters()), str(path), quantized_paths(model))
     if dtype != "quantized":
         dequantize(model, getattr(mx, dtype))
     model.eval()
@@ -163,6 +220,32 @@ def _finish(model, tokenizer, name, path, context, eos, dtype) -> LoadedModel:
         eos_token_ids=frozenset(int(e) for e in eos if e is not None),
         dtype=_describe_dtype(model),
     )
+
+
+def quantized_paths(model: nn.Module) -> frozenset[str]:
+    """The modules whose `weight` holds packed integers."""
+    return frozenset(p for p, m in model.named_modules() if hasattr(m, "bits"))
+
+
+def check_weights(weights, where: str, quantized: frozenset[str] = frozenset()) -> None:
+    """Refuse weights no trained model has: NaN or infinite values (a damaged file; every
+    reply would be garbage or empty) and integers where floats belong (bytes read as another
+    dtype). `weights`: (name, array) pairs; `quantized`: module paths whose `.weight` packs
+    integers. One reduction per array, evaluated together."""
+    floats = []
+    for name, w in weights:
+        if mx.issubdtype(w.dtype, mx.floating):
+            floats.append((name, w))
+        elif not (name.endswith(".weight") and name.removesuffix(".weight") in quantized):
+            raise ModelLoadError(f"{where}: tensor '{name}' is {w.dtype}, not a float type")
+    if not floats:
+        return
+    finite = mx.stack([mx.isfinite(w).all() for _, w in floats])
+    mx.eval(finite)
+    if not finite.all().item():
+        first = floats[finite.tolist().index(False)][0]
+        raise ModelLoadError(f"{where}: weights hold NaN or infinite values (first in "
+                             f"'{first}'): the file is damaged")
 
 
 def dequantize(model: nn.Module, dtype: mx.Dtype) -> None:

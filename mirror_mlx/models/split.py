@@ -18,6 +18,7 @@ from mlx_lm.models.base import create_attention_mask
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from ..errors import ModelLoadError
+from .load import check_weights
 
 # The families whose forward this module reproduces layer by layer. Besides the llama layout
 # (model.model.embed_tokens / layers / norm, each layer called as layer(h, mask, cache)), each
@@ -173,6 +174,10 @@ class ExitHead(nn.Module):
                                  f"the target's is {hidden}")
         if not 0 < layer < num_layers:
             raise ModelLoadError(f"{path}: exit layer {layer} is outside 1..{num_layers - 1}")
+        if set(tensors) != {"weight", "bias"}:
+            raise ModelLoadError(f"{path}: an exit head holds a weight and a bias, not "
+                                 f"{sorted(tensors)}")
+        check_weights([("weight", weight), ("bias", bias)], str(path))
         head = ExitHead(layer, hidden)
         head.proj.weight, head.proj.bias = weight.astype(mx.float32), bias.astype(mx.float32)
         # Evaluated here: a lazy array belongs to this thread's stream, and decoding may run in
