@@ -57,6 +57,21 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path, default_gguf, target
         Engine(target, mode="sd", draft=str(path))
 
 
+def on_draft_forward(engine, n: int, act) -> None:
+    """Make the draft run `act()` before its n-th forward (the draft network's executor)."""
+    executor = engine.drafter._executor
+    real_forward = executor.forward
+    calls = {"n": 0}
+
+    def forward(*args):
+        calls["n"] += 1
+        if calls["n"] == n:
+            act()
+        return real_forward(*args)
+
+    executor.forward = forward
+
+
 def test_a_draft_that_fails_mid_generation_leaves_the_target_to_finish(target):
     """The draft's 5th forward raises: the generation goes on as target-only decoding from the
     last committed token (greedy output unchanged), says why, and the next generation drafts
@@ -64,17 +79,10 @@ def test_a_draft_that_fails_mid_generation_leaves_the_target_to_finish(target):
     expected = Engine(target).generate("Hello there!", max_tokens=16).token_ids
     # Without lookup, so that every step asks the draft network.
     with Engine(target, mode="mirror", draft="self:2", lookup=False) as engine:
-        executor = engine.drafter._executor
-        real_forward = executor.forward
-        calls = {"n": 0}
+        def lose_device():
+            raise RuntimeError("draft device lost")
 
-        def failing_forward(*args):
-            calls["n"] += 1
-            if calls["n"] == 5:
-                raise RuntimeError("draft device lost")
-            return real_forward(*args)
-
-        executor.forward = failing_forward
+        on_draft_forward(engine, 5, lose_device)
         with pytest.warns(UserWarning, match="draft device lost"):
             result = engine.generate("Hello there!", max_tokens=16)
         assert result.token_ids == expected
@@ -93,17 +101,7 @@ def test_a_draft_that_hangs_is_given_up_after_a_bounded_wait(target, monkeypatch
     expected = Engine(target).generate("Hello there!", max_tokens=12).token_ids
     release = threading.Event()
     with Engine(target, mode="sd", draft="self:2", lookup=False) as engine:
-        executor = engine.drafter._executor
-        real_forward = executor.forward
-        calls = {"n": 0}
-
-        def hanging_forward(*args):
-            calls["n"] += 1
-            if calls["n"] == 4:
-                release.wait(60)
-            return real_forward(*args)
-
-        executor.forward = hanging_forward
+        on_draft_forward(engine, 4, lambda: release.wait(60))
         try:
             with pytest.warns(UserWarning, match="did not return"):
                 result = engine.generate("Hello there!", max_tokens=12)
