@@ -80,6 +80,10 @@ class Scheduler:
         self.probe: int | None = None
         # A probe's steps, and the current plan's meanwhile: (seconds, tokens) each.
         self.trial: dict[int, list[tuple[float, int]]] = {}
+        # Steps chosen in the trial and not yet recorded (a step is recorded one step late,
+        # when the next window is ready): the step before a trial is not one of its steps.
+        self.owed: dict[int, int] = {}
+        self.chosen: dict[int, int] = {}
 
     def cost(self, index: int) -> float | None:
         """Seconds per committed token under plan `index`, as measured so far."""
@@ -98,12 +102,16 @@ class Scheduler:
             if due:
                 self.probe = min(due, key=lambda i: self.samples[i])
                 self.trial = {self.probe: [], self.best: []}
+                self.owed = {self.probe: 0, self.best: 0}
+                self.chosen = {self.probe: 0, self.best: 0}
         if self.probe is None:
             return self.best
         # A probe alternates with the current plan, so that both meet the same stretch of
         # text (a reply's cost per step swings with how much of it lookup can copy).
-        return self.probe if len(self.trial[self.probe]) <= len(self.trial[self.best]) \
-            else self.best
+        index = self.probe if self.chosen[self.probe] <= self.chosen[self.best] else self.best
+        self.chosen[index] += 1
+        self.owed[index] += 1
+        return index
 
     def record(self, index: int, seconds: float, tokens: int) -> None:
         """A step played with plan `index` cost `seconds` (window ready to next window ready)
@@ -112,9 +120,10 @@ class Scheduler:
             old = running[index]
             running[index] = new if old is None else old + SMOOTHING * (new - old)
         self.samples[index] += 1
-        if self.probe is None or index not in self.trial:
+        if self.probe is None or not self.owed.get(index):
             self.since += 1
             return
+        self.owed[index] -= 1
         self.trial[index].append((seconds, tokens))
         if min(len(t) for t in self.trial.values()) < PROBE_STEPS:
             return
