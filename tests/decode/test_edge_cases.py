@@ -77,8 +77,11 @@ def test_a_draft_that_fails_mid_generation_leaves_the_target_to_finish(target):
     last committed token (greedy output unchanged), says why, and the next generation drafts
     again (the draft forgot its cache)."""
     expected = Engine(target).generate("Hello there!", max_tokens=16).token_ids
-    # Without lookup, so that every step asks the draft network.
-    with Engine(target, mode="mirror", draft="self:2", lookup=False) as engine:
+    # Without lookup, so that every step asks the draft network; a fixed window, so that
+    # every step drafts (with --gamma auto, measured seconds decide how many tokens a step
+    # drafts and whether it drafts at all, and `draft_tokens` below could be 0 on a machine
+    # where the draft costs more against the target).
+    with Engine(target, mode="mirror", draft="self:2", lookup=False, gamma=4) as engine:
         def lose_device():
             raise RuntimeError("draft device lost")
 
