@@ -123,10 +123,14 @@ def test_inline_draft_runs_with_the_whole_target_forward_dispatched(target, refe
 
 def test_an_inline_job_stops_when_the_landed_target_shows_it_useless(target, reference_tokens,
                                                                     self4, monkeypatch):
-    """A slow inline draft (a second a forward here) must not hold the step once the target's
-    verification has landed and rejected the window the early rollout continues; what it
-    drafted stays in its cache. The output stays the target's. The overlap reported is the
-    time the draft computed while the target did, not while the caller waited on it."""
+    """A slow inline draft must not hold the step once the target's verification has landed
+    and rejected the window the early rollout continues; what it drafted stays in its cache.
+    The output stays the target's. The overlap reported is the time the draft computed while
+    the target did, not while the caller waited on it.
+
+    The early rollout's forwards are made slow against the target on any machine: each
+    waits until the target's step has landed (a fixed sleep raced the target's step, which
+    takes longer on a slower or busier CPU), then sleeps a second plus twice that wait."""
     from mirror_mlx.decode import mirror
 
     verdicts = []
@@ -134,15 +138,18 @@ def test_an_inline_job_stops_when_the_landed_target_shows_it_useless(target, ref
     monkeypatch.setattr(mirror.Verdict, "result", lambda self: verdicts.append(
         (result(self), len(self._judge.args[1]))) or verdicts[-1][0])
     drafter = reference_drafter(self4)
-    early, run = [], drafter._run
+    early, running, run = [], [], drafter._run
     forward = drafter._executor.forward
 
     def slow_forward(*args, **kwargs):
         if early and early[-1] is None:
-            time.sleep(1.0)
+            start = time.perf_counter()
+            assert running[-1].cancel.verdict._landing.landed.wait(60), "the target never landed"
+            time.sleep(1.0 + 2 * (time.perf_counter() - start))
         return forward(*args, **kwargs)
 
     def observed(job):
+        running.append(job)
         early.append(None if job.label == "early" else "other")
         done = run(job)
         if job.label == "early":
