@@ -58,7 +58,10 @@ def test_cancel_from_another_thread_and_one_generation_at_a_time(target):
     started = time.monotonic()
     with pytest.raises(EngineBusy, match="waited 0.2"):
         engine.generate("Hi.", max_tokens=4, wait=0.2)
-    assert 0.2 <= time.monotonic() - started < 2
+    # Not before its time; after it, only as late as a busy machine wakes a thread (a call
+    # that waited for the holder instead would not have raised: the holder runs until
+    # cancelled below).
+    assert 0.2 <= time.monotonic() - started < 10
 
     # Callers queue up and are served in arrival order.
     order, queued = [], []
@@ -76,12 +79,12 @@ def test_cancel_from_another_thread_and_one_generation_at_a_time(target):
     t.start()
     until(lambda: engine.waiting == 4)
     cancel.set()
-    t.join(timeout=5)
+    t.join(timeout=60)  # bounds a hang only: the assertions say what happened
     assert gave_up["r"].stats.finish_reason == "cancelled" and gave_up["r"].token_ids == []
     assert engine.waiting == 3
 
     engine.cancel()
-    thread.join(timeout=10)
+    thread.join(timeout=60)
     assert out["r"].stats.finish_reason == "cancelled" and len(out["r"].token_ids) < 300
     for t in queued:
         t.join(timeout=60)
@@ -105,11 +108,11 @@ def test_close_stops_the_draft_worker_and_later_calls_fail(target):
 
     engine = Engine(target, mode="sd")
     thread, out = hold(engine)
-    until(drafting, 10)
+    until(drafting)
     engine.close()  # from another thread than the one generating
-    thread.join(timeout=10)
+    thread.join(timeout=60)
     assert out["r"].stats.finish_reason == "cancelled"
-    until(lambda: not drafting(), 10)
+    until(lambda: not drafting())
     engine.close()  # idempotent
     with pytest.raises(EngineClosed):
         engine.generate("Hi.", max_tokens=4)
