@@ -278,7 +278,11 @@ def test_drafts_equal_the_reference(name, small, tmp_path):
     for k, p in enumerate(dists):
         top = np.argsort(-p)[:4]
         assert rollout.top_ids[k].tolist() == top.tolist(), (name, k)
-        np.testing.assert_allclose(rollout.top_probs[k], p[top], rtol=2e-4, atol=1e-6)
+        # Float32 rounding (MLX here, torch there), fed back through the head's own outputs,
+        # reaches 1.6e-4 of a probability by the third token here ("speculators", two
+        # layers), and other CPUs' kernels round differently. A wrong variant moves the
+        # probabilities by far more, and the order of the top tokens is exact above.
+        np.testing.assert_allclose(rollout.top_probs[k], p[top], rtol=2e-3, atol=1e-6)
         assert rollout.tokens[k] == top[0]
 
 
