@@ -92,7 +92,11 @@ def test_feature_draft_through_coreml_backend_equals_greedy(target, reference_to
             assert [t for chunk in chunks for t in chunk.token_ids] == expected
             accepted[name] += chunks[-1].stats.accepted_tokens
         drafter.close()
-    assert accepted["mlx"] > 0 and accepted["coreml"] >= 0.8 * accepted["mlx"], accepted
+    # 10 and 10 here. The package computes in float16 where MLX does float32, so where the
+    # draft's two best tokens are close the two can draft differently, and one window drafted
+    # otherwise moves the count by up to gamma (4): a draft fed wrong features agrees only by
+    # chance, far below half.
+    assert accepted["mlx"] > 0 and accepted["coreml"] >= 0.5 * accepted["mlx"], accepted
 
 
 def test_inline_draft_runs_with_the_whole_target_forward_dispatched(target, reference_tokens,
