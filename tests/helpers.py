@@ -7,6 +7,7 @@ from pathlib import Path
 from mirror_mlx.models.gguf import read_header
 
 import mlx.core as mx
+import numpy as np
 from mlx.utils import tree_unflatten
 from mlx_lm.models import llama
 
@@ -172,3 +173,15 @@ def write_tiny_gemma_gguf(path: Path, seed: int = 0):
     writer.close()
     mx.eval(model.parameters())
     return model
+
+
+def assert_same_logits(ours, reference) -> None:
+    """Equal up to float32 rounding, on any CPU: BLAS kernels and their blocking differ by
+    processor, by library and by matrix shape (a tree forward against a contiguous one), and
+    their rounding grows with the logits' size; a conversion or mapping error moves logits by
+    whole units. The same best token at every position."""
+    ours = np.array(ours, dtype=np.float32)
+    reference = np.array(reference, dtype=np.float32)
+    worst = float(np.abs(ours - reference).max())
+    assert worst <= 1e-4 * float(np.abs(reference).max()), worst
+    assert (ours.argmax(-1) == reference.argmax(-1)).all()

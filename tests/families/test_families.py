@@ -24,6 +24,7 @@ from mlx_lm.models.cache import KVCache
 
 from coreml_export.convert import package_spec
 from tests.families.tiny import FAMILIES, VOCAB, config, save, tiny
+from tests.helpers import assert_same_logits
 
 # Longer than the tiny models' sliding windows (6 tokens), so windows matter.
 PROMPT = [1, 504, 3125, 30, 7382, 281, 260, 3429, 28, 665, 1670, 314, 253, 5728, 30, 1115]
@@ -70,16 +71,6 @@ def test_split_forward_is_the_model(family):
     for a, b in ((0, 9), (9, 10), (10, 16)):
         logits, _ = split.forward(model, tokens[:, a:b], ours)
         assert mx.array_equal(logits, model(tokens[:, a:b], cache=theirs))
-
-
-def assert_same_logits(ours: mx.array, reference: mx.array) -> None:
-    """Equal up to float32 rounding, on any CPU: BLAS kernels and their blocking differ by
-    processor and by matrix shape (a tree forward against a contiguous one), and their rounding
-    grows with the logits' size; a conversion error moves logits by whole units."""
-    ours, reference = np.array(ours), np.array(reference)
-    worst = float(np.abs(ours - reference).max())
-    assert worst <= 1e-4 * float(np.abs(reference).max()), worst
-    assert (ours.argmax(-1) == reference.argmax(-1)).all()
 
 
 @pytest.mark.parametrize("family", FAMILIES)

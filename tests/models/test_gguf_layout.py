@@ -5,7 +5,7 @@ from mirror_mlx.models.load import load
 import mlx.core as mx
 import numpy as np
 
-from tests.helpers import write_tiny_gguf
+from tests.helpers import assert_same_logits, write_tiny_gguf
 
 
 def test_tiny_gguf_logits_equal_the_model_it_holds(tmp_path, default_gguf):
@@ -15,6 +15,6 @@ def test_tiny_gguf_logits_equal_the_model_it_holds(tmp_path, default_gguf):
     ids = mx.array([[1, 504, 3327, 28, 253, 1234, 42, 7]])
     a = np.array(original(ids))
     b = np.array(loaded.model(ids))
-    np.testing.assert_allclose(a, b, atol=1e-5)
+    assert_same_logits(b, a)
     assert loaded.context_length == 256
     assert loaded.eos_token_ids == {2}
