@@ -23,9 +23,11 @@ SAMPLED = SamplingParams(temperature=0.8, seed=3)  # as tests/distributed/ranks.
 
 
 def free_ports(n: int) -> int:
-    """A first port from which `n` ports are free now (other runs may share this host)."""
+    """A first port from which `n` ports are free now (other runs may share this host). Below
+    Linux's ephemeral range (32768-60999 by default), from which the kernel gives ports to
+    outgoing connections, the ranks' own among them, until a rank binds the port it was given."""
     for _ in range(100):
-        first = random.randrange(20000, 60000)
+        first = random.randrange(20000, 32700)
         try:
             for port in range(first, first + n):
                 with socket.socket() as s:
