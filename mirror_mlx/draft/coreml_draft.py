@@ -77,22 +77,27 @@ class CoreMLExecutor:
         width = c.hidden_size if self.reads_features else 0
         self.own = np.zeros((spec.context, width), np.float32)
         self.fed = np.zeros((spec.context, width), np.float32)
-        self._inputs = {s: deque() for s in spec.query_sizes}  # (last given, inputs), oldest first
+        # Per query length: [when predict last returned with them, inputs], oldest first.
+        self._inputs = {s: deque() for s in spec.query_sizes}
 
-    def _take_inputs(self, s: int) -> dict[str, np.ndarray]:
-        """A set of input buffers for query length s that no predict was given in the last
-        INPUT_HOLD_S seconds: Core ML may still read (and crash on the freed or refilled memory
-        of) an input for about a second after predict returns, so each set is reused only
-        after that, from a ring that grows to what ~2 s of calls need (two sets alternated
-        would be refilled within milliseconds)."""
+    def _take_inputs(self, s: int) -> list:
+        """[when predict last returned with them, a set of input buffers for query length s]
+        that no predict has held in the last INPUT_HOLD_S seconds: Core ML may still read (and
+        crash on the freed or refilled memory of) an input for about a second after predict
+        returns, so each set is reused only after that, from a ring that grows to what ~2 s of
+        calls need (two sets alternated would be refilled within milliseconds). The caller
+        stamps the entry when its predict returns: stamped when taken, a fill that a busy CPU
+        holds up would shorten the hold."""
         ring, now = self._inputs[s], time.perf_counter()
         if ring and now - ring[0][0] >= INPUT_HOLD_S:
-            inputs = ring.popleft()[1]
+            entry = ring.popleft()
+            entry[0] = now
         else:
-            inputs = {name: np.zeros(self.spec.input_shape(name, s), self.spec.input_dtype(name))
-                      for name in self.spec.inputs}
-        ring.append((now, inputs))
-        return inputs
+            entry = [now, {name: np.zeros(self.spec.input_shape(name, s),
+                                          self.spec.input_dtype(name))
+                           for name in self.spec.inputs}]
+        ring.append(entry)
+        return entry
 
     def truncate(self, size: int) -> None:
         self.size = min(self.size, size)
@@ -147,7 +152,8 @@ class CoreMLExecutor:
                          if kinds[i] == OWN and refs[i] >= start + done]
                 take = (waits[0] if waits else done + take) - done
                 s = self._query_size(take, L - start - done)
-            inputs = self._take_inputs(s)
+            entry = self._take_inputs(s)
+            inputs = entry[1]
             part = slice(done, done + take)
             inputs["embeds"][0, :, 0, :take] = embeds[part].T
             inputs["rope_cos"][0, :, 0, :take] = cos[part].T
@@ -164,7 +170,10 @@ class CoreMLExecutor:
             inputs["write_pos"][0] = start + done
             if features is not None:
                 self._feature_inputs(inputs, features, kinds, refs, refed, done, take)
-            result = self.runtime.predict(inputs, self.state)
+            try:
+                result = self.runtime.predict(inputs, self.state)
+            finally:
+                entry[0] = time.perf_counter()  # the hold runs from here
             mine = [(i, r - done) for i, r in enumerate(rows) if done <= r < done + take]
             if mine:
                 logits = np.concatenate([result[name][0, :, 0, :]

@@ -19,7 +19,7 @@ from mirror_mlx.draft.coreml_draft import (
     check_target,
     mlx_embedding,
 )
-from mirror_mlx.draft.coreml_package import source_sha256
+from mirror_mlx.draft.coreml_package import INPUT_HOLD_S, source_sha256
 from mirror_mlx.draft.load import load_draft
 from mirror_mlx.draft.mlx_draft import MLXDrafter
 from mirror_mlx.draft.select import _open_or_mlx, beside, make_drafter
@@ -173,6 +173,27 @@ def test_an_inline_job_stops_when_the_landed_target_shows_it_useless(target, ref
                 if accepted < g]
     assert rejected and all(forwards <= 1 for forwards in rejected), (jobs, verdicts)
     drafter.close()
+
+
+def test_an_input_set_is_given_again_only_a_hold_after_its_predict_returned(self4):
+    """Core ML may read a predict's inputs for a while after it returns, so a set of input
+    buffers is given again only INPUT_HOLD_S after that. Counted from when the set was taken
+    instead, a fill that a busy CPU holds up (here, half a second) shortens the hold, and the
+    reference refuses memory given to predict within it."""
+    spec, weights = package_spec(self4, 512, 8)
+    executor = CoreMLExecutor(ReferenceModel(spec, weights), spec,
+                              mlx_embedding(self4.embed_tokens))
+    take, delays = executor._take_inputs, [0.5]
+
+    def held_up(s):
+        inputs = take(s)
+        time.sleep(delays.pop() if delays else 0.0)  # the first call's fill is held up
+        return inputs
+
+    executor._take_inputs = held_up
+    executor.forward([1], 0, None, [0])
+    time.sleep(INPUT_HOLD_S - 0.4)  # past the hold since the set was taken, not since predict
+    assert executor.forward([2], 1, None, [0]).shape[0] == 1
 
 
 def test_vanilla_sd_waits_on_futures_without_run_pending(target, reference_tokens, self4):
