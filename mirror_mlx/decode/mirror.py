@@ -191,10 +191,12 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         g = len(drafts)
         ready = time.perf_counter()
         charged = None if played is None else (played[0], ready - played[1])
-        index = scheduler.choose()
+        # A step that does not draft runs no plan: it is neither chosen nor charged.
+        index = scheduler.choose() if drafting else 0
         plan = scheduler.plans[index]
-        played = (index, ready)
-        stats.plan_steps[plan.name] = stats.plan_steps.get(plan.name, 0) + 1
+        played = (index, ready) if drafting else None
+        if drafting:
+            stats.plan_steps[plan.name] = stats.plan_steps.get(plan.name, 0) + 1
         q = window.probs[:g] if g and window.probs is not None else None
         # Each job stops on its own: a branch hit must not wait behind an early rollout that
         # verification has made useless, nor the reverse.
@@ -331,7 +333,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
                 stats.fallback_steps += 1
         stats.record_step(g, accepted)
         new = drafts[:accepted] + [token]
-        if charged is not None and drafting:
+        if charged is not None:
             scheduler.record(charged[0], charged[1], len(new))
         if length and drafting and asked:
             length.record_step(sampler.params.temperature, len(new), g, spent)
