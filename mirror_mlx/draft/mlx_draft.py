@@ -4,7 +4,9 @@ stream belongs to the thread that made it: PLATFORM.md)."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import replace
 
 import mlx.core as mx
 import numpy as np
@@ -13,7 +15,7 @@ from mlx_lm.models.cache import KVCache
 from ..decode.schedule import device_name
 from .base import Job, JobResult
 from .net import DraftNet
-from .rollout import FED, OWN, TARGET, FeatureRefs, TreeState, run_job
+from .rollout import FED, OWN, TARGET, FeatureRefs, TreeState, not_drafted, run_job
 
 
 class MLXExecutor:
@@ -138,6 +140,7 @@ class MLXDrafter:
         self._state = TreeState()
         self._rng = np.random.default_rng()
         self._stream = None
+        self._carried: list = []  # features of copy-only jobs, for the next job
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mirror-draft",
                                         initializer=self._make_stream)
 
@@ -145,6 +148,17 @@ class MLXDrafter:
         self._stream = mx.new_stream(self._device)
 
     def submit(self, job: Job) -> Future[JobResult]:
+        if job.copy_only:
+            # Nothing to compute (a step that does not draft): answered here, without a trip
+            # to the worker; the features it brought go with the next job.
+            self._carried += job.features
+            now = time.perf_counter()
+            done: Future[JobResult] = Future()
+            done.set_result(JobResult([not_drafted(self.top_k)] * len(job.sequences), now, now,
+                                      job.label))
+            return done
+        if self._carried:
+            job, self._carried = replace(job, features=self._carried + job.features), []
         return self._pool.submit(self._run, job)
 
     def run_pending(self) -> None:

@@ -274,6 +274,12 @@ def _refs(start: int, stop: int, state: TreeState, agree: int, first: int, slot0
     return refs
 
 
+def not_drafted(top_k: int) -> Rollout:
+    """The rollout of a sequence a copy-only job does not draft (Job.copy_only)."""
+    return Rollout([], np.zeros((0, top_k), np.int64), np.zeros((0, top_k), np.float32), None,
+                   True)
+
+
 def run_job(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
             top_k: int = 4) -> JobResult:
     try:
@@ -302,9 +308,7 @@ def _run(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
     for f in job.features:
         state.learn(f)
     if job.copy_only:
-        empty = Rollout([], np.zeros((0, top_k), np.int64), np.zeros((0, top_k), np.float32),
-                        None, True)
-        return JobResult([empty] * len(seqs), start, time.perf_counter(), job.label)
+        return JobResult([not_drafted(top_k)] * len(seqs), start, time.perf_counter(), job.label)
     if job.compact:
         reused = _compact(seqs[0], caps[0], ex, state)
         # Extend the trunk with what every sequence shares (all share the committed tokens).

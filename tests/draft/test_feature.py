@@ -76,3 +76,29 @@ def test_the_length_threshold_follows_the_measured_costs():
     length.record_draft(10.0, 1)  # a draft far slower than the target: nothing pays
     assert length.threshold() == 0.95
     assert length.chosen == {0: 1, 4: 1}
+
+
+def test_a_copy_only_job_needs_no_worker_and_its_features_reach_the_next_job(target, net):
+    """A step that does not draft costs the decoder no trip to the draft's worker (answered
+    at submit), and the features it brings are read by the next job as if sent with it."""
+    ids = target.tokenizer.encode("The quick brown fox jumps over the lazy dog because it wants")
+    f = feature.target_features(target, [np.array(ids)], net.config.feature_layers)[0]
+    f = f.astype(np.float32)
+    n = 8
+    rollouts = []
+    for pause in (False, True):
+        drafter = MLXDrafter(net)
+        try:
+            drafter.submit(Job([ids[:n]], 0, features=[Features(ids[:n], 0, f[: n - 1])]))
+            late = [Features(ids, n - 1, f[n - 1 : -1])]
+            if pause:
+                paused = drafter.submit(Job([ids], 3, features=late, copy_only=True))
+                assert paused.done()
+                assert paused.result().rollouts[0].tokens == [] \
+                    and paused.result().rollouts[0].ended
+                late = []
+            rollouts.append(drafter.submit(Job([ids], 3, features=late)).result().rollouts[0])
+        finally:
+            drafter.close()
+    assert rollouts[1].tokens == rollouts[0].tokens
+    np.testing.assert_array_equal(rollouts[1].top_ids, rollouts[0].top_ids)
