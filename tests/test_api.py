@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from mirror_mlx.api import Engine, EngineBusy, EngineClosed
+from mirror_mlx.decode.sampling import SamplingParams
 from mirror_mlx.errors import InvalidParameter
 
 import pytest
@@ -97,6 +98,32 @@ def test_cancel_from_another_thread_and_one_generation_at_a_time(target):
         engine.generate("Hi.", max_tokens=4)
     stream.close()
     assert not engine.busy
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts threads in /proc")
+@pytest.mark.parametrize("mode", ["ar", "mirror"])
+def test_callers_on_fresh_threads_leave_no_thread_behind(target, mode):
+    """MLX keeps a thread for every thread that ever built an array: generating on each
+    caller's thread, a server (a thread per request) gained a thread per reply."""
+    def threads() -> int:
+        return len(list(Path("/proc/self/task").iterdir()))
+
+    def on_a_fresh_thread(n: int) -> None:
+        for i in range(n):
+            t = threading.Thread(target=lambda i=i: engine.generate(
+                f"Say {i}.", max_tokens=3, sampling=SamplingParams(temperature=1.0, seed=i)))
+            t.start()
+            t.join()
+
+    with Engine(target, mode=mode) as engine:
+        on_a_fresh_thread(1)  # the engine's own threads start
+        before = threads()
+        on_a_fresh_thread(4)
+        # A leaked thread stays; a step's helper thread (mirror's landing) soon ends.
+        end = time.monotonic() + 5
+        while threads() > before and time.monotonic() < end:
+            time.sleep(0.05)
+        assert threads() <= before
 
 
 def test_close_stops_the_draft_worker_and_later_calls_fail(target):
