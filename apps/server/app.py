@@ -39,6 +39,10 @@ from .watch import Stop, watch
 log = logging.getLogger(__name__)
 
 GRACE_S = 5.0  # how long server_close waits for handlers to finish their replies
+# Seconds a client told "busy" (429, 503) should wait before it tries again (Retry-After): a
+# request of the default model's length is done by then, and clients that honour it (the
+# openai package does) do not spin on a full queue.
+RETRY_AFTER_S = 1
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completion"}
 
 
@@ -180,7 +184,8 @@ class Server(ThreadingHTTPServer):
 def _plain(status: int, reason: str, body: dict) -> bytes:
     data = json.dumps(body).encode()
     return (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data
+            f"Content-Length: {len(data)}\r\nRetry-After: {RETRY_AFTER_S}\r\n"
+            "Connection: close\r\n\r\n").encode() + data
 
 
 _BUSY = _plain(503, "Service Unavailable", RequestError(
@@ -493,6 +498,8 @@ class Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, obj: dict) -> None:
         data = json.dumps(obj).encode()
         self._begin(status)
+        if status in (429, 503):
+            self.send_header("Retry-After", str(RETRY_AFTER_S))
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
