@@ -231,6 +231,20 @@ def test_malformed_http(server, client):
     assert ok.usage.completion_tokens == 2
 
 
+def test_a_refused_body_still_gets_its_reply(server):
+    """A request refused before its body is read (413 here) while the client is still sending
+    that body: the client gets the refusal, not a broken pipe (the server drains, then
+    closes). Before, each of these got a BrokenPipeError or a reset instead."""
+    body = b'{"messages": ' + b"[" * 5_000_000 + b"}"
+    for path, content_type, status in (("/v1/chat/completions", "application/json", 413),
+                                       ("/v1/nothing", "application/json", 404)):
+        conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+        conn.request("POST", path, body, {"Content-Type": content_type})
+        response = conn.getresponse()
+        assert response.status == status and json.loads(response.read())["error"]
+        conn.close()
+
+
 def _request_bytes(server: Server, body: dict) -> bytes:
     data = json.dumps(body).encode()
     return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
