@@ -175,8 +175,18 @@ class _Worker:
         finally:
             self.call(items.close)
 
-    def stop(self) -> None:
-        self._jobs.put(None)
+
+
+# Workers of closed (or dropped) engines, for the next engines: a worker's MLX thread outlives
+# it, so a program that opens engine after engine reuses them rather than adding threads.
+_IDLE_WORKERS: list[_Worker] = []
+
+
+def _take_worker() -> _Worker:
+    try:
+        return _IDLE_WORKERS.pop()
+    except IndexError:
+        return _Worker()
 
 
 class Engine:
@@ -241,8 +251,9 @@ class Engine:
         except BaseException:
             self._release()
             raise
-        self._worker = _Worker()
-        weakref.finalize(self, self._worker.stop)  # an engine dropped without close()
+        self._worker = _take_worker()
+        # Given back once: by close(), or when an engine dropped without close() is collected.
+        self._give_back = weakref.finalize(self, _IDLE_WORKERS.append, self._worker)
         # Keep the weights resident between turns (where the platform wires memory: see
         # platform.wired_limit_bytes); close() lets them go.
         wiring.hold()
@@ -296,8 +307,8 @@ class Engine:
     def _release(self) -> None:
         if self.drafter is not None:
             self.drafter.close()
-        if hasattr(self, "_worker"):
-            self._worker.stop()
+        if hasattr(self, "_give_back"):
+            self._give_back()
         # A stream's end and close() on another thread may both get here: release once.
         with self._closing:
             wired, self._wired = self._wired, False
