@@ -2,7 +2,8 @@
 mode: what it served, what it refused, what it lost, and whether it leaked.
 
     python benchmarks/reliability.py OUT [--modes ar,mirror] [--clients 32] [--minutes 10]
-        [--malformed 3000] [--model SPEC] [--max-tokens 24] [--read-timeout 30] [--seed 0]
+        [--malformed 3000] [--disconnects 3] [--read-timeout 30] [--max-tokens 24]
+        [--phases load,malformed,disconnects,broken] [--model SPEC] [--seed 0]
 
 Phases, in this order on one server per mode:
 - load: `--clients` clients for `--minutes`, half streaming, chat and completion requests in
@@ -18,7 +19,8 @@ Phases, in this order on one server per mode:
 - broken clients: a body a byte a second, headers never finished, a Content-Length that lies,
   pipelined requests, HTTP/1.0: each is answered or dropped within --read-timeout, while a good
   request sent meanwhile is served promptly.
-After each phase a good request must still be served, with the lone request's reply.
+After each phase a good request must still be served, with the lone request's reply; and
+the lone replies of every mode must be the same (greedy speculative decoding is lossless).
 
 Writes OUT/reliability.json, OUT/reliability.md and OUT/server-MODE.log (the server's log).
 Needs hypothesis (pip install 'mirror-mlx[test]'). Linux counts threads and descriptors from
