@@ -3,8 +3,10 @@ generation at a time per engine, later calls queued in arrival order."""
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -63,6 +65,17 @@ def check_messages(messages: Sequence[Message]) -> None:
                                    f"(got {m.get('role')!r})")
         if not isinstance(m.get("content"), str):
             raise InvalidParameter(f"messages[{i}].content must be a string")
+        _check_unicode(m["content"], f"messages[{i}].content")
+
+
+def _check_unicode(text: str, what: str) -> None:
+    """Text the tokenizer can take: a lone surrogate (JSON's "\\ud800" decodes to one) is not
+    Unicode text, and the tokenizer refuses it with a TypeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidParameter(f"{what} is not valid Unicode text: a lone surrogate "
+                               f"(U+{ord(text[e.start]):04X}) at character {e.start}") from None
 
 
 class _Turns:
@@ -113,6 +126,67 @@ class _Turns:
     @property
     def waiting(self) -> int:
         return len(self._line)
+
+
+class _Worker:
+    """The one thread an engine's generations run on. MLX gives every thread that builds arrays
+    a stream of its own, served by a thread that lives as long as the process: generating on
+    each caller's thread, a server with a thread per request left one thread behind per
+    request (benchmarks/reliability.py: +1 thread and its memory per reply). The caller still
+    pulls each chunk: a generation never runs ahead of its reader."""
+
+    def __init__(self):
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name="mirror-engine", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            job()
+
+    def call(self, fn):
+        """fn() on the worker: its value, or its exception raised here."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        done, box = threading.Event(), {}
+
+        def job():
+            try:
+                box["value"] = fn()
+            except BaseException as e:  # noqa: B036  (the caller's to handle, whatever it is)
+                box["error"] = e
+            done.set()
+
+        self._jobs.put(job)
+        done.wait()
+        if "error" in box:
+            raise box.pop("error")
+        return box["value"]
+
+    def iterate(self, items: Iterator) -> Iterator:
+        """The generator `items`, each item computed on the worker; closed there too."""
+        try:
+            while True:
+                try:
+                    item = self.call(lambda: next(items))
+                except StopIteration:
+                    return
+                yield item
+        finally:
+            self.call(items.close)
+
+
+
+# Workers of closed (or dropped) engines, for the next engines: a worker's MLX thread outlives
+# it, so a program that opens engine after engine reuses them rather than adding threads.
+_IDLE_WORKERS: list[_Worker] = []
+
+
+def _take_worker() -> _Worker:
+    try:
+        return _IDLE_WORKERS.pop()
+    except IndexError:
+        return _Worker()
 
 
 class Engine:
@@ -177,6 +251,9 @@ class Engine:
         except BaseException:
             self._release()
             raise
+        self._worker = _take_worker()
+        # Given back once: by close(), or when an engine dropped without close() is collected.
+        self._give_back = weakref.finalize(self, _IDLE_WORKERS.append, self._worker)
         # Keep the weights resident between turns (where the platform wires memory: see
         # platform.wired_limit_bytes); close() lets them go.
         wiring.hold()
@@ -230,6 +307,8 @@ class Engine:
     def _release(self) -> None:
         if self.drafter is not None:
             self.drafter.close()
+        if hasattr(self, "_give_back"):
+            self._give_back()
         # A stream's end and close() on another thread may both get here: release once.
         with self._closing:
             wired, self._wired = self._wired, False
@@ -246,6 +325,7 @@ class Engine:
         """Token ids for a prompt: text (wrapped in the chat template as one user turn unless
         `chat_template=False`), a list of chat messages, or ids as they are."""
         if isinstance(prompt, str):
+            _check_unicode(prompt, "the prompt")
             if not chat_template or self.tokenizer.chat_template is None:
                 return self.tokenizer.encode(prompt)
             prompt = [{"role": "user", "content": prompt}]
@@ -293,8 +373,8 @@ class Engine:
         try:
             if self._closed:
                 raise EngineClosed("the engine was closed")
-            yield from self.session.generate(ids, max_tokens=max_tokens, sampling=sampling,
-                                             stop=stop, cancel=cancel)
+            yield from self._worker.iterate(self.session.generate(
+                ids, max_tokens=max_tokens, sampling=sampling, stop=stop, cancel=cancel))
         finally:
             self._turns.leave()
             if self._closed:

@@ -149,6 +149,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds a request may take, waiting included; then its reply ends "
                         "(finish_reason length)")
+    p.add_argument("--read-timeout", type=float, default=30.0,
+                   help="seconds a request's headers and body may take to arrive; then 408")
     p.add_argument("--max-connections", type=int, default=64,
                    help="open connections; more get 503 and are closed")
     p.add_argument("--stream-buffer", type=int, default=1 << 20, metavar="BYTES",
@@ -393,7 +395,8 @@ def cmd_serve(args) -> None:
 
     with _engine(args) as engine:
         serve(engine, args.host, args.port, max_tokens=args.max_tokens,
-              request_timeout=args.request_timeout, max_connections=args.max_connections,
+              request_timeout=args.request_timeout, read_timeout=args.read_timeout,
+              max_connections=args.max_connections,
               stream_buffer=args.stream_buffer, api_key=args.api_key,
               allow_no_auth=args.allow_no_auth, allowed_hosts=tuple(args.allowed_host),
               cors_origins=tuple(args.cors_origin))

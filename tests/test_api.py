@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from mirror_mlx.api import Engine, EngineBusy, EngineClosed
+from mirror_mlx.decode.sampling import SamplingParams
 from mirror_mlx.errors import InvalidParameter
 
 import pytest
@@ -100,6 +101,42 @@ def test_cancel_from_another_thread_and_one_generation_at_a_time(target):
         engine.generate("Hi.", max_tokens=4)
     stream.close()
     assert not engine.busy
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="counts threads in /proc")
+@pytest.mark.parametrize("mode", ["ar", "mirror"])
+def test_callers_on_fresh_threads_leave_no_thread_behind(target, mode):
+    """MLX keeps a thread for every thread that ever built an array: generating on each
+    caller's thread, a server (a thread per request) gained a thread per reply."""
+    def threads() -> int:
+        return len(list(Path("/proc/self/task").iterdir()))
+
+    def on_a_fresh_thread(n: int) -> None:
+        for i in range(n):
+            t = threading.Thread(target=lambda i=i: engine.generate(
+                f"Say {i}.", max_tokens=3, sampling=SamplingParams(temperature=1.0, seed=i)))
+            t.start()
+            t.join()
+
+    def settled_at_most(before: int) -> bool:
+        # A leaked thread stays; a step's helper thread (mirror's landing) soon ends.
+        end = time.monotonic() + 5
+        while threads() > before and time.monotonic() < end:
+            time.sleep(0.05)
+        return threads() <= before
+
+    with Engine(target, mode=mode) as engine:
+        on_a_fresh_thread(1)  # the engine's own threads start
+        before = threads()
+        on_a_fresh_thread(4)
+        assert settled_at_most(before)
+    # Engine after engine (closed, or dropped) reuse the worker the first one started. (Not
+    # the draft's: a speculative engine's draft worker leaves its MLX thread when it closes.)
+    for _ in range(3):
+        with Engine(target) as engine:
+            on_a_fresh_thread(1)
+        Engine(target).generate("Hi.", max_tokens=2)
+    assert settled_at_most(before)
 
 
 def test_close_stops_the_draft_worker_and_later_calls_fail(target):

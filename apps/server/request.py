@@ -70,11 +70,14 @@ def _number(body: dict, name: str, default: float, low: float, high: float,
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    # An integer too large for a float (JSON allows any) is compared exactly, not converted.
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+            (isinstance(value, float) and not math.isfinite(value)):
         raise _bad(f"'{name}' must be a number", name)
     if value < low or value > high or (low_open and value == low):
+        shown = str(value) if len(str(value)) <= 32 else f"{str(value)[:16]}..."
         raise _bad(f"'{name}' must be in {'(' if low_open else '['}{low:g}, {high:g}] "
-                   f"(got {value})", name)
+                   f"(got {shown})", name)
     return value
 
 
@@ -97,6 +100,8 @@ def _stop(body: dict) -> list[str]:
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop):
         raise _bad("'stop' must be a non-empty string or a list of them", "stop")
+    if not stop:
+        return []  # an empty list: no stop sequences
     if len(stop) > MAX_STOP:
         raise _bad(f"'stop' takes at most {MAX_STOP} sequences (got {len(stop)})", "stop")
     longest = max(len(s) for s in stop)

@@ -182,6 +182,11 @@ MALFORMED = [
     ({"messages": CHAT, "logprobs": True}, 400, "logprobs"),
     ({"messages": CHAT, "temprature": 0.5}, 400, "temprature"),
     ({"messages": [{"role": "user", "content": "word " * 2000}]}, 400, "messages"),
+    # An integer too large for a float (was a 500: OverflowError).
+    ({"messages": CHAT, "temperature": 10**400}, 400, "temperature"),
+    ({"messages": CHAT, "top_p": -10**400}, 400, "top_p"),
+    # Valid JSON, not Unicode text: a lone surrogate (was a 500 from the tokenizer).
+    (b'{"messages": [{"role": "user", "content": "a\\ud800b"}]}', 400, None),
 ]
 
 
@@ -200,6 +205,10 @@ def test_malformed_http(server, client):
     assert raw(server, "POST", "/v1/completions", {"prompt": ["a", "b"]})[0] == 400
     assert raw(server, "POST", "/v1/completions", {"prompt": ""})[0] == 400
     assert raw(server, "POST", "/v1/completions", {"prompt": [1, 10**9]})[0] == 400
+    assert raw(server, "POST", "/v1/completions", {"prompt": "a\udfffb"})[0] == 400
+    # No stop sequences, as an empty list (was a 500: max() of nothing).
+    assert raw(server, "POST", "/v1/completions", {"prompt": "Hi", "max_tokens": 1,
+                                                   "stop": []})[0] == 200
     status, reply = raw(server, "POST", "/v1/completions", {"prompt": "x " * 1000})
     assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
     assert raw(server, "GET", "/v1/chat/completions")[0] == 405
@@ -220,6 +229,20 @@ def test_malformed_http(server, client):
         client.chat.completions.create(model="m", messages=CHAT, temperature=-1)
     ok = client.chat.completions.create(model="m", messages=CHAT, max_tokens=2)
     assert ok.usage.completion_tokens == 2
+
+
+def test_a_refused_body_still_gets_its_reply(server):
+    """A request refused before its body is read (413 here) while the client is still sending
+    that body: the client gets the refusal, not a broken pipe (the server drains, then
+    closes). Before, each of these got a BrokenPipeError or a reset instead."""
+    body = b'{"messages": ' + b"[" * 5_000_000 + b"}"
+    for path, content_type, status in (("/v1/chat/completions", "application/json", 413),
+                                       ("/v1/nothing", "application/json", 404)):
+        conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+        conn.request("POST", path, body, {"Content-Type": content_type})
+        response = conn.getresponse()
+        assert response.status == status and json.loads(response.read())["error"]
+        conn.close()
 
 
 def _request_bytes(server: Server, body: dict) -> bytes:
@@ -270,7 +293,8 @@ def test_connections_are_capped(engine):
         address = server.server_address[:2]
         idle = [socket.create_connection(address, timeout=5) for _ in range(2)]
         with socket.create_connection(address, timeout=5) as third:
-            assert _read_all(third).startswith(b"HTTP/1.1 503")
+            busy = _read_all(third)
+            assert busy.startswith(b"HTTP/1.1 503") and b"Retry-After: 1\r\n" in busy
         idle[0].close()  # frees a slot once its thread sees the close
         deadline, status = time.monotonic() + 60, 0
         while status != 200 and time.monotonic() < deadline:
@@ -535,8 +559,14 @@ def test_queue_limit_gives_429(engine):
         holder.start()
         while not engine.busy:
             time.sleep(0.01)
-        status, reply = raw(server, "POST", "/v1/completions", {"prompt": "Hi"})
-        assert status == 429 and "try again" in reply["error"]["message"]
+        conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "Hi"}),
+                     {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        reply = json.loads(response.read())
+        conn.close()
+        assert response.status == 429 and "try again" in reply["error"]["message"]
+        assert response.headers["Retry-After"] == "1"  # when a client may try again
         engine.cancel()
         holder.join(timeout=30)
 
