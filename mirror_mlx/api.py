@@ -27,7 +27,7 @@ from .draft.select import make_drafter
 from .errors import EngineBusy, EngineClosed, InvalidParameter
 from .memory import wiring
 from .models import split
-from .models.load import LoadedModel, load
+from .models.load import LoadedModel, load, materialize
 from .session import Chunk, DecodeSettings, Session
 
 Message = dict  # {"role": "system" | "user" | "assistant", "content": str}
@@ -251,6 +251,7 @@ class Engine:
         except BaseException:
             self._release()
             raise
+        materialize(self.target.model)
         self._worker = _take_worker()
         # Given back once: by close(), or when an engine dropped without close() is collected.
         self._give_back = weakref.finalize(self, _IDLE_WORKERS.append, self._worker)

@@ -13,6 +13,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache
 
 from ..decode.schedule import device_name
+from ..models.load import materialize
 from .base import Job, JobResult
 from .net import DraftNet
 from .rollout import FED, OWN, TARGET, FeatureRefs, TreeState, not_drafted, run_job
@@ -136,6 +137,7 @@ class MLXDrafter:
         self.feature_layers = tuple(net.config.feature_layers)
         self.inline = False
         self.top_k = top_k
+        materialize(net)  # made on this thread, computed on the worker's
         self._executor = MLXExecutor(net)
         self._state = TreeState()
         self._rng = np.random.default_rng()

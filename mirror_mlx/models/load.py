@@ -222,6 +222,14 @@ def _finish(model, tokenizer, name, path, context, eos, dtype) -> LoadedModel:
     )
 
 
+def materialize(module: nn.Module) -> None:
+    """Evaluate every array `module` holds: its parameters and the rest, such as the RoPE
+    frequency tables some families (llama3 and longrope scaling) compute when built. A lazy
+    array belongs to the stream of the thread that made it, and MLX cannot evaluate it on
+    another thread: the engine generates, and an MLX draft computes, on threads of their own."""
+    mx.eval([a for _, a in tree_flatten(module) if isinstance(a, mx.array)])
+
+
 def quantized_paths(model: nn.Module) -> frozenset[str]:
     """The modules whose `weight` holds packed integers."""
     return frozenset(p for p, m in model.named_modules() if hasattr(m, "bits"))
