@@ -176,7 +176,6 @@ class _Worker:
             self.call(items.close)
 
 
-
 # Workers of closed (or dropped) engines, for the next engines: a worker's MLX thread outlives
 # it, so a program that opens engine after engine reuses them rather than adding threads.
 _IDLE_WORKERS: list[_Worker] = []

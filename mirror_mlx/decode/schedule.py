@@ -83,7 +83,6 @@ class Scheduler:
         # Steps chosen in the trial and not yet recorded (a step is recorded one step late,
         # when the next window is ready): the step before a trial is not one of its steps.
         self.owed: dict[int, int] = {}
-        self.chosen: dict[int, int] = {}
 
     def cost(self, index: int) -> float | None:
         """Seconds per committed token under plan `index`, as measured so far."""
@@ -103,13 +102,12 @@ class Scheduler:
                 self.probe = min(due, key=lambda i: self.samples[i])
                 self.trial = {self.probe: [], self.best: []}
                 self.owed = {self.probe: 0, self.best: 0}
-                self.chosen = {self.probe: 0, self.best: 0}
         if self.probe is None:
             return self.best
         # A probe alternates with the current plan, so that both meet the same stretch of
         # text (a reply's cost per step swings with how much of it lookup can copy).
-        index = self.probe if self.chosen[self.probe] <= self.chosen[self.best] else self.best
-        self.chosen[index] += 1
+        chosen = {i: len(self.trial[i]) + self.owed[i] for i in (self.probe, self.best)}
+        index = self.probe if chosen[self.probe] <= chosen[self.best] else self.best
         self.owed[index] += 1
         return index
 
