@@ -41,6 +41,7 @@ from .branches import rank_branches
 from .length import DraftLength
 from .sampling import Sampler
 from .schedule import Scheduler, draft_units, scheduler_for
+from .speculative import Window
 from .stats import GenerationStats
 from .verify import judge, speculative_accept
 
@@ -169,25 +170,42 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         if timeline is not None:
             timeline.append((label, start, end))
 
-    while True:
-        spent = 0.0  # drafting on this step's critical path
-        longest = length.longest if length else config.gamma
-        g = asked = max(0, min(longest, limit - len(committed)))
-        confidence = length.threshold() if length else 0.0
-        drafting = length is None or length.drafting(sampler.params.temperature)
+    def room() -> int:
+        """The most tokens the step may draft."""
+        return max(0, min(length.longest if length else config.gamma, limit - len(committed)))
+
+    def take_window(g: int, drafting: bool) -> tuple[list[int], np.ndarray | None, float]:
+        """The step's drafts (a rolled-out window's, or a fresh job's: only a copy from the
+        context where the step does not draft), their distributions q, and the seconds
+        drafting took on the critical path."""
+        nonlocal window, pending
+        spent = 0.0
         if g and (window is None or (len(window.tokens) < g and not window.ended)):
             t = time.perf_counter()
             done = drafter.submit(Job([committed], g, q_params, "fresh", features=pending,
-                                      min_confidence=confidence, committed=committed,
-                                      copy_only=not drafting)).result(DRAFT_WAIT_S)
+                                      min_confidence=length.threshold() if length else 0.0,
+                                      committed=committed, copy_only=not drafting)
+                                  ).result(DRAFT_WAIT_S)
             pending = []
             window = done.rollouts[0]
-            spent += time.perf_counter() - t
-            stats.add_time("draft_serial", time.perf_counter() - t)
+            spent = time.perf_counter() - t
+            stats.add_time("draft_serial", spent)
             mark("draft_fresh", t, time.perf_counter())
             if length and not done.extra.get("lookup"):
                 length.record_draft(done.end - done.start, max(1, done.forwards))
         drafts = window.tokens[:g] if g else []
+        q = window.probs[: len(drafts)] if drafts and window.probs is not None else None
+        return drafts, q, spent
+
+    drafting = length is None or length.drafting(sampler.params.temperature)
+    ahead: Window | None = None  # the step's window, when dispatched before the last yield
+    while True:
+        longest = length.longest if length else config.gamma
+        asked = room()
+        confidence = length.threshold() if length else 0.0
+        # `spent`: drafting on this step's critical path.
+        drafts, q, spent = (ahead.drafts, ahead.q, 0.0) if ahead else \
+            take_window(asked, drafting)
         g = len(drafts)
         ready = time.perf_counter()
         charged = None if played is None else (played[0], ready - played[1])
@@ -197,12 +215,10 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         played = (index, ready) if drafting else None
         if drafting:
             stats.plan_steps[plan.name] = stats.plan_steps.get(plan.name, 0) + 1
-        q = window.probs[:g] if g and window.probs is not None else None
         # Each job stops on its own: a branch hit must not wait behind an early rollout that
         # verification has made useless, nor the reverse.
         early_stop = Stop(lambda outcome, g=g: outcome[0] == g)
         late_stop = None
-        window_ids = mx.array([committed[-1:] + drafts])
         landing = None
 
         # 1. The likeliest outcome needs no early-exit signal: start it now.
@@ -219,7 +235,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             # 2. Target prefix, then the early exit's top-kappa at every window position.
             if vocab is None and config.exit_vocab is not None:
                 vocab = config.exit_vocab.with_tokens(model, committed)
-            p = split.start(model, window_ids, cache, taps)
+            p = split.start(model, mx.array([committed[-1:] + drafts]), cache, taps)
             split.run_layers(model, p, 0, exit_layer)
             tapped = list(p.features)  # the window's features at the exit, for the branches
             exit_ids, exit_logp = split.exit_top_k(model, p.h[0], config.exit_head, vocab,
@@ -262,9 +278,8 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         else:
             # 4. The whole target forward, unsplit: nothing waits for an exit readout.
             t_suffix = t_start
-            logits, feats = split.forward(model, window_ids, cache, taps)
-            logits = logits[0]
-            mx.async_eval(logits)
+            verified = ahead or Window.verify(model, cache, committed[-1], drafts, q, taps)
+            logits, feats = verified.logits, verified.features
             if drafter.inline and early is not None:
                 landing = Landing([[logits]])
             verdict = Verdict(partial(judge, logits, drafts, q, sampler, accept), landing)
@@ -292,7 +307,8 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             mark("target_prefix", t_start, t_suffix)
         stats.add_time("target_suffix" if split_pass else "target", t_done - t_suffix)
         if length:
-            length.record_target(t_done - t_start, g)
+            if ahead is None:  # a window dispatched ahead computed partly while the caller worked
+                length.record_target(t_done - t_start, g)
             stats.draft_lengths[g] = stats.draft_lengths.get(g, 0) + 1
         mark("target_suffix" if split_pass else "target", t_suffix, t_done)
 
@@ -338,4 +354,12 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         if length and drafting and asked:
             length.record_step(sampler.params.temperature, len(new), g, spent)
         committed += new
+        drafting = length is None or length.drafting(sampler.params.temperature)
+        # A next step that drafts nothing (at most a free copy from the context, or a window
+        # rolled out in this step) has its window now: its forward computes while the caller
+        # works, as AR's does.
+        ahead = None
+        if not drafting:
+            ahead = Window.verify(model, cache, committed[-1], *take_window(room(), False)[:2],
+                                  taps)
         yield new

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
+import numpy as np
 
 from ..draft.base import DRAFT_WAIT_S, Drafter, Features, Job
 from ..models import split
@@ -15,6 +17,26 @@ from .length import DraftLength
 from .sampling import Sampler
 from .stats import GenerationStats
 from .verify import judge, speculative_accept
+
+
+@dataclass
+class Window:
+    """A step's drafts and the target's forward over them, dispatched (not yet waited for)."""
+
+    drafts: list[int]
+    q: np.ndarray | None  # the draft distributions the drafts were drawn from; None: greedy
+    logits: mx.array  # (len(drafts) + 1, V)
+    features: list[mx.array]  # the target's outputs at the draft's feature layers
+    dispatched: float  # perf_counter seconds
+
+    @staticmethod
+    def verify(model: nn.Module, cache: list, last: int, drafts: list[int],
+               q: np.ndarray | None, taps: tuple[int, ...]) -> Window:
+        dispatched = time.perf_counter()
+        logits, features = split.forward(model, mx.array([[last] + drafts]), cache, taps)
+        logits = logits[0]
+        mx.async_eval(logits, *features)
+        return Window(drafts, q, logits, features, dispatched)
 
 
 def speculative(model: nn.Module, cache: list, drafter: Drafter, committed: list[int],
@@ -30,42 +52,62 @@ def speculative(model: nn.Module, cache: list, drafter: Drafter, committed: list
     taps = drafter.feature_layers
     pending = list(features or [])
     adaptive = isinstance(gamma, DraftLength)
-    while True:
-        longest = gamma.longest if adaptive else gamma
-        g = max(0, min(longest, limit - len(committed)))
+    temperature = sampler.params.temperature
+
+    def room() -> int:
+        """The most tokens the step may draft."""
+        return max(0, min(gamma.longest if adaptive else gamma, limit - len(committed)))
+
+    def draft_and_verify(g: int, drafting: bool) -> tuple[Window, float]:
+        """The step's window of at most `g` drafts (only a copy from the context where it
+        does not draft), its forward dispatched; and the seconds drafting took."""
+        nonlocal pending
         t0 = time.perf_counter()
         drafts, q = [], None
-        drafting = not adaptive or gamma.drafting(sampler.params.temperature)
-        asked = g
         if g:
             job = Job([committed], g, q_params, features=pending,
                       min_confidence=gamma.threshold() if adaptive else 0.0,
                       committed=committed, copy_only=not drafting)
             done = drafter.submit(job).result(DRAFT_WAIT_S)
             pending = []
-            draft = done.rollouts[0]
-            drafts, q = draft.tokens, draft.probs
+            drafts, q = done.rollouts[0].tokens, done.rollouts[0].probs
             if adaptive and not done.extra.get("lookup"):
                 gamma.record_draft(done.end - done.start, max(1, done.forwards))
-        t1 = time.perf_counter()
-        g = len(drafts)
-        logits, feats = split.forward(model, mx.array([committed[-1:] + drafts]), cache, taps)
-        accepted, token = judge(logits[0], drafts, q, sampler, accept)
+        drafted = time.perf_counter() - t0
+        return Window.verify(model, cache, committed[-1], drafts, q, taps), drafted
+
+    drafting = not adaptive or gamma.drafting(temperature)
+    ahead = None  # the step's window, when it was dispatched before the last yield
+    while True:
+        resumed = time.perf_counter()
+        asked = room()
+        window, draft_s = ahead or draft_and_verify(asked, drafting)
+        # The target's time on this step's path: from its dispatch, or, for a window
+        # dispatched ahead (it computed partly while the caller worked), from the resume.
+        t1 = max(window.dispatched, resumed)
+        drafts, g = window.drafts, len(window.drafts)
+        accepted, token = judge(window.logits, drafts, window.q, sampler, accept)
         for c in cache:
             c.trim(g - accepted)
         new = drafts[:accepted] + [token]
         if taps:
             # The target's features after the window's first A + 1 tokens: those of the
             # tokens committed now, for the draft's next job.
-            pending.append(Features.of(committed + new, len(committed) - 1, feats, accepted + 1))
+            pending.append(Features.of(committed + new, len(committed) - 1, window.features,
+                                       accepted + 1))
         t2 = time.perf_counter()
-        stats.add_time("draft", t1 - t0)
+        stats.add_time("draft", draft_s)
         stats.add_time("target", t2 - t1)
         if adaptive:
-            gamma.record_target(t2 - t1, g)
+            if ahead is None:  # the caller's work is not the target's
+                gamma.record_target(t2 - t1, g)
             stats.draft_lengths[g] = stats.draft_lengths.get(g, 0) + 1
             if drafting and asked:
-                gamma.record_step(sampler.params.temperature, len(new), g, t1 - t0)
+                gamma.record_step(temperature, len(new), g, draft_s)
         stats.record_step(g, accepted)
         committed += new
+        drafting = not adaptive or gamma.drafting(temperature)
+        # A next step that drafts nothing (at most a free copy from the context) has its
+        # window now: its forward computes while the caller works, as AR's does.
+        ahead = None if drafting else draft_and_verify(room(), False)
         yield new

@@ -12,7 +12,7 @@ sets."""
 import itertools
 import math
 
-from mirror_mlx.decode.length import DraftLength
+from mirror_mlx.decode.length import DraftLength, Gate
 from mirror_mlx.decode.mirror import MirrorConfig, mirror
 from mirror_mlx.decode.sampling import Sampler, SamplingParams, distribution
 from mirror_mlx.decode.schedule import Scheduler
@@ -143,11 +143,21 @@ def sd_adaptive(target, cache, drafter, committed, sampler, stats, **kw):
                        limit=64, **kw)
 
 
+def sd_undrafted(target, cache, drafter, committed, sampler, stats, **kw):
+    """Drafting held off (the gate paused): only copies from the context, each verified in a
+    window dispatched before the previous step's tokens were handed over."""
+    length = DraftLength(longest=3)
+    length.gates[round(PARAMS.temperature, 2)] = Gate(off_for=10**9)
+    return speculative(target, cache, drafter, committed, sampler, stats, gamma=length,
+                       limit=64, **kw)
+
+
 # Lookup copies the same way for every decoder: one case with it keeps the suite short.
 @pytest.mark.parametrize("decode,draft,lookup", [
     (mirror_sd, "tokens", False), (sd_adaptive, "features", False),
-    (mirror_sd, "features", True),
-], ids=["mirror-network", "sd-adaptive-features-network", "mirror-features-lookup"])
+    (mirror_sd, "features", True), (sd_undrafted, "tokens", True),
+], ids=["mirror-network", "sd-adaptive-features-network", "mirror-features-lookup",
+        "sd-undrafted-lookup"])
 def test_sampled_sequences_follow_the_target_distribution(models, feature_drafter, decode,
                                                           draft, lookup):
     target, drafter = models

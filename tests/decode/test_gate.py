@@ -3,13 +3,14 @@
 it pays; output stays the target's."""
 
 from mirror_mlx.api import Engine
-from mirror_mlx.decode.length import FIRST_PAUSE, PROBE, DraftLength
+from mirror_mlx.decode.length import FIRST_PAUSE, PROBE, DraftLength, Gate
 from mirror_mlx.decode.sampling import SamplingParams
 from mirror_mlx.draft.load import target_info
 from mirror_mlx.draft.mlx_draft import MLXDrafter
 from mirror_mlx.draft.net import DraftConfig, DraftNet
 
 import mlx.core as mx
+import pytest
 
 from tests.prompts import PROMPTS
 
@@ -70,3 +71,24 @@ def test_a_draft_that_never_pays_costs_few_forwards_and_changes_nothing(target):
         result = engine.generate(PROMPTS[0], **settings)
     assert result.token_ids == reference
     assert sum(asked) < len(asked) / 2, (sum(asked), len(asked))
+
+
+@pytest.mark.parametrize("mode", ["sd", "mirror"])
+def test_a_step_that_does_not_draft_computes_while_the_caller_works(target, mode):
+    """As in AR, the forward of a step that does not draft is dispatched before the previous
+    step's tokens are handed over, so it computes while the caller detokenizes and prints:
+    whenever the caller holds new tokens the target's cache already holds the last of them
+    (the old decoders started that forward only when asked for the next step). Drafting is
+    held off for the whole generation; the tokens stay target-only decoding's."""
+    settings = dict(max_tokens=24, sampling=SamplingParams())
+    with Engine(target, mode="ar", quiet=True) as ar:
+        reference = ar.generate(PROMPTS[1], **settings).token_ids
+    with Engine(target, mode=mode, quiet=True, lookup=False) as engine:
+        engine.session.length.gates[0.0] = Gate(off_for=10**9)
+        prompt = engine.encode(PROMPTS[1])
+        tokens, held = [], []
+        for chunk in engine.session.generate(prompt, **settings):
+            tokens += chunk.token_ids
+            held.append(engine.session.cache[0].offset - len(prompt) - len(tokens))
+    assert tokens == reference
+    assert held[:-1] == [0] * (len(held) - 1), held
