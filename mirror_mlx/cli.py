@@ -65,8 +65,10 @@ def _distributed_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hostfile", default=None, metavar="FILE",
                    help="as --hosts, from mlx.launch's JSON hostfile")
     p.add_argument("--parallel", default="auto", choices=("auto", "pipeline", "tensor"),
-                   help="how the target is split across ranks: pipeline (layers per rank; "
-                        "auto means pipeline for now)")
+                   help="how the target is split across ranks: tensor (each rank runs "
+                        "every layer with its share of the heads and MLP width, for families "
+                        "mlx-lm can shard and counts that divide evenly), pipeline (layers "
+                        "per rank), auto (tensor where it can, else pipeline)")
     p.add_argument("--split", default=None, metavar="N,N,...",
                    help="pipeline: layers per rank, rank 0 first (rank 0 runs the last ones)")
     p.add_argument("--ring-port", type=int, default=32323,
