@@ -59,8 +59,18 @@ def main() -> None:
     if launched():
         rank_main(args)
         return
-    rows = {"1 process": generate(load(None), args.modes.split(","), args.prompt,
-                                  args.max_tokens)}
+    modes = args.modes.split(",")
+    print(f"{'':22}" + "".join(f"{m + ' tok/s':>12}" for m in modes)
+          + "   same tokens as 1-process AR", flush=True)
+    single = generate(load(None), modes, args.prompt, args.max_tokens)
+    reference = single["ar"]["token_ids"] if "ar" in single else None
+
+    def row(name: str, results: dict) -> None:
+        same = [m for m, r in results.items() if r["token_ids"] == reference]
+        print(f"{name:22}" + "".join(f"{r['tok_s']:12.2f}" for r in results.values())
+              + f"   {', '.join(same) or 'none'}", flush=True)
+
+    row("1 process", single)
     for parallel in args.splits.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             result = Path(tmp) / "result.json"
@@ -69,15 +79,7 @@ def main() -> None:
                               (os.path.abspath(__file__),))
             if status:
                 raise SystemExit(f"{parallel}: the ranks failed ({status})")
-            rows[f"{args.ranks} ranks {parallel}"] = json.loads(result.read_text())
-    reference = rows["1 process"]["ar"]["token_ids"] if "ar" in rows["1 process"] else None
-    print(f"{'':22}" + "".join(f"{m + ' tok/s':>12}" for m in args.modes.split(","))
-          + "   same tokens as 1-process AR")
-    for name, modes in rows.items():
-        same = [m for m, r in modes.items() if r["token_ids"] == reference]
-        print(f"{name:22}" + "".join(f"{r['tok_s']:12.2f}" for r in modes.values())
-              + f"   {', '.join(same) or 'none'}")
-
+            row(f"{args.ranks} ranks {parallel}", json.loads(result.read_text()))
 
 if __name__ == "__main__":
     main()
