@@ -65,8 +65,10 @@ def _distributed_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hostfile", default=None, metavar="FILE",
                    help="as --hosts, from mlx.launch's JSON hostfile")
     p.add_argument("--parallel", default="auto", choices=("auto", "pipeline", "tensor"),
-                   help="how the target is split across ranks: pipeline (layers per rank; "
-                        "auto means pipeline for now)")
+                   help="how the target is split across ranks: tensor (each rank runs "
+                        "every layer with its share of the heads and MLP width, for families "
+                        "mlx-lm can shard and counts that divide evenly), pipeline (layers "
+                        "per rank), auto (tensor where it can, else pipeline)")
     p.add_argument("--split", default=None, metavar="N,N,...",
                    help="pipeline: layers per rank, rank 0 first (rank 0 runs the last ones)")
     p.add_argument("--ring-port", type=int, default=32323,
@@ -201,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto, ioreport, powermetrics, rapl or none")
     p.add_argument("--energy-seconds", type=float, default=20.0,
                    help="length of each mode's energy window (and of the idle baseline)")
+    _distributed_args(p)
     p.add_argument("--out", default="bench-out", help="folder for bench.json, bench.md, plots")
 
     p = sub.add_parser("export-draft", help="export a draft to a Core ML package for the "
@@ -299,7 +302,7 @@ def _sampling(args):
 def _engine(args, quiet: bool = False):
     from .api import Engine
 
-    ranks = _ranks(args, quiet)
+    ranks = _ranks(args, args.model, quiet)
     with ranks as split:  # on ranks other than 0 this serves as a stage, then exits
         target, pipeline = split or (args.model, None)
         with Engine(target, mode=args.mode, draft=args.draft, dtype=args.dtype,
@@ -314,14 +317,14 @@ def _engine(args, quiet: bool = False):
             yield engine
 
 
-def _ranks(args, quiet: bool):
+def _ranks(args, model: str | None, quiet: bool):
     """The target split over the ranks of a launched run, else nothing to do."""
     if not (args.hosts or args.hostfile):
         return nullcontext(None)
     from .distributed.run import Options, pipelined
 
-    return pipelined(args.model, args.dtype, Options(args.parallel, args.split,
-                                                     args.rank_timeout), quiet)
+    return pipelined(model, args.dtype, Options(args.parallel, args.split, args.rank_timeout),
+                     quiet)
 
 
 def cmd_generate(args) -> None:
@@ -404,6 +407,7 @@ def cmd_serve(args) -> None:
 
 def cmd_bench(args) -> None:
     import shlex
+    from functools import partial
     from pathlib import Path
 
     from .bench.command import bench_command
@@ -417,14 +421,21 @@ def cmd_bench(args) -> None:
                          draft_device=args.draft_device,
                          separate_units=args.separate_units, energy_seconds=args.energy_seconds)
     out = Path(args.out)
-    bench_command(args.target, args.prompts, config, out, energy=args.energy,
-                  per_category=args.per_category, dtype=args.dtype,
-                  command="mirror-mlx bench " + " ".join(
-                      f"--{k.replace('_', '-')} {shlex.quote(str(v))}"
-                      for k, v in vars(args).items()
-                      if k not in ("command", "lookup", "separate_units") and v is not None)
-                  + ("" if args.lookup else " --no-lookup")
-                  + (" --separate-units" if args.separate_units else ""))
+    with _ranks(args, args.target, quiet=False) as split:  # ranks other than 0 follow, then exit
+        target, remote = split or (args.target, None)
+        prepare = None
+        if remote is not None:
+            from .distributed.run import want_layers
+
+            prepare = partial(want_layers, remote)
+        bench_command(target, args.prompts, config, out, energy=args.energy,
+                      per_category=args.per_category, dtype=args.dtype, prepare=prepare,
+                      command="mirror-mlx bench " + " ".join(
+                          f"--{k.replace('_', '-')} {shlex.quote(str(v))}"
+                          for k, v in vars(args).items()
+                          if k not in ("command", "lookup", "separate_units") and v is not None)
+                      + ("" if args.lookup else " --no-lookup")
+                      + (" --separate-units" if args.separate_units else ""))
     print(f"wrote {out / 'bench.json'}, {out / 'bench.md'} and plots")
 
 

@@ -124,8 +124,8 @@ class Session:
         self.check(prompt, max_tokens)
         mode = self.settings.mode if not self.hung else "ar"
         stats = GenerationStats(mode=self.settings.mode, prompt_tokens=len(prompt),
-                                draft_fault=self.hung, ranks=max(1, len(self.target.split)),
-                                split=list(self.target.split))
+                                draft_fault=self.hung, ranks=self.target.ranks,
+                                split=list(self.target.split), parallel=self.target.parallel)
         sampler = Sampler(sampling or SamplingParams())
         clearer = CacheClearer(self.cache)
         mx.reset_peak_memory()

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -143,7 +143,9 @@ class _Mode:
               timeline: list | None = None) -> Iterator[list[int]]:
         temperature = self.config.temperature
         if self.engine is None:
-            stats = GenerationStats(mode=self.name)
+            target = self.target
+            stats = GenerationStats(mode=self.name, ranks=target.ranks, split=list(target.split),
+                                    parallel=target.parallel)
             yield from mlx_lm_steps(self.target, self.wrapper, ids, max_tokens, temperature,
                                     seed, self.mlx_draft, self.config.gamma or MLX_LM_GAMMA,
                                     stats)
@@ -167,8 +169,10 @@ class _Mode:
             self.engine.close()
 
 
-def _open_modes(target: LoadedModel, config: BenchConfig) -> tuple[Engine, dict[str, _Mode]]:
-    """The modes, and an engine whose `encode` gives every mode the same prompt ids."""
+def _open_modes(target: LoadedModel, config: BenchConfig, prepare: Callable | None = None
+                ) -> tuple[Engine, dict[str, _Mode]]:
+    """The modes, and an engine whose `encode` gives every mode the same prompt ids.
+    `prepare(engine)` is called on each engine (a pipeline brings back what it reads)."""
     ar = Engine(target, mode="ar")
     modes: dict[str, _Mode] = {}
     try:
@@ -181,6 +185,8 @@ def _open_modes(target: LoadedModel, config: BenchConfig) -> tuple[Engine, dict[
                     lookup=config.lookup, branch_budget=config.branch_budget,
                     exit_head=config.exit_head, draft_device=config.draft_device,
                     separate_units=config.separate_units))
+                if prepare is not None:
+                    prepare(modes[name].engine)
             elif name == "mlx-lm":
                 modes[name] = _Mode(name, target, config)
             else:
@@ -242,12 +248,13 @@ def conversation(prompt: BenchPrompt, replies: list[str], turn: int) -> str | li
 
 
 def run_bench(target: LoadedModel, prompts: list[BenchPrompt], config: BenchConfig,
-              energy: MeterChoice, quiet: bool = False) -> BenchResult:
+              energy: MeterChoice, quiet: bool = False, prepare: Callable | None = None
+              ) -> BenchResult:
     config.check()
     if not prompts:
         raise InvalidParameter("no prompts to run")
     threads = config.separate_units and set_blas_threads(1)
-    encoder, modes = _open_modes(target, config)
+    encoder, modes = _open_modes(target, config, prepare)
     try:
         net = load_draft(config.draft, target) if any(
             m in config.modes for m in ("sd", "mirror", "mlx-lm-sd")) else None

@@ -35,6 +35,7 @@ class GenerationStats:
     overlap_fraction: float = 0.0  # share of draft time hidden under target compute
     ranks: int = 1  # processes that ran the target
     split: list[int] = field(default_factory=list)  # its layers per rank, rank 0 first
+    parallel: str = ""  # how it was split over them: "tensor" or "pipeline" ("" in one)
 
     @property
     def prompt_tokens_per_second(self) -> float:
@@ -105,6 +106,8 @@ class GenerationStats:
             steps = ", ".join(f"{k} {v}" for k, v in sorted(self.plan_steps.items()))
             parts.append(f"steps by plan: {steps}")
             parts.append(f"schedule {self.schedule}")
+        if self.parallel:
+            parts.append(f"{self.ranks} ranks ({self.parallel})")
         parts.append(f"peak {self.peak_memory_gb:.2f} GB")
         parts.append(f"finish {self.finish_reason}")
         return " | ".join(parts)

@@ -36,8 +36,9 @@ class Pipeline:
 
     def want(self, after: Iterable[int]) -> None:
         """Bring back the hidden states after these many layers (taps, exit layers) when
-        the stages hold them."""
-        self.keep = tuple(sorted({n - 1 for n in after if 0 < n < self.end}))
+        the stages hold them, besides those asked for before (several engines, e.g. a
+        bench's modes, may share the target)."""
+        self.keep = tuple(sorted(set(self.keep) | {n - 1 for n in after if 0 < n < self.end}))
 
     def layer(self, i: int, h: mx.array, cache) -> mx.array:
         offset = cache.offset

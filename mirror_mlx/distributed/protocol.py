@@ -1,7 +1,9 @@
-"""What rank 0 and the stages say to each other, and how each transfer is made.
+"""What rank 0 and the other ranks say to each other, and how each transfer is made.
 
 Every message has a shape both sides know before it is sent (MLX's transports do not carry
-shapes): a fixed-size header first, then the hidden states whose shape the header gives.
+shapes): a fixed-size header first, then the hidden states whose shape the header gives. A
+pipeline passes them around the ring (send/recv); under tensor parallelism rank 0 broadcasts
+them to every rank (an all-reduce).
 Each transfer is evaluated at once: ranks that evaluate collectives in different orders
 deadlock. Each is bounded by the watchdog (watchdog.py) except a stage's wait for rank 0's
 next request, which may come after a user has typed for minutes."""
@@ -23,9 +25,12 @@ DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 @dataclass(frozen=True)
 class Header:
-    """FORWARD: a window of `length` positions whose hidden states follow, to be appended
-    after the first `offset` positions of each stage's cache (a stage trims what rank 0 has
-    trimmed since: rejected drafts). `keep`: the layers whose outputs travel back too (the
+    """FORWARD: a window of `length` positions whose hidden states follow (a pipeline's
+    first stage gets the embedding, and so do the ranks of a tensor-parallel target: token ids
+    would do there too, but the embedding keeps the families' embedding scales on rank 0, and
+    costs what one of the forward's 2 all-reduces per layer costs), to be appended after the
+    first `offset` positions of each rank's cache (a rank trims what rank 0 has trimmed
+    since: rejected drafts). `keep`: the layers whose outputs travel back too (the
     draft's features, Mirror-SD's early exit), in order. STOP: the run is over."""
 
     op: int
@@ -68,6 +73,17 @@ class Link:
         x = mx.distributed.recv(shape, dtype, src, group=self.group)
         self._eval(x, f"waiting for {what} from rank {src}", self.timeout if bounded else None)
         return x
+
+    def broadcast(self, x: mx.array, what: str, bounded: bool = True) -> mx.array:
+        """Rank 0's `x` on every rank: an all-reduce to which the others give zeros of the
+        same shape (adding zeros is exact)."""
+        out = mx.distributed.all_sum(x, group=self.group)
+        self._eval(out, f"exchanging {what}", self.timeout if bounded else None)
+        return out
+
+    def wait(self, x: mx.array, doing: str) -> None:
+        """Evaluate `x`, whose graph holds collectives, within the bound."""
+        self._eval(x, doing, self.timeout)
 
     def gather(self, x: mx.array, what: str) -> mx.array:
         out = mx.distributed.all_gather(x, group=self.group)

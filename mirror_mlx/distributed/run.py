@@ -1,6 +1,6 @@
-"""One rank's part in a run: join the group, load the target, check that every rank loaded
-the same, then either serve as a stage until rank 0 is done, or (rank 0) hand the pipelined
-target to the engine."""
+"""One rank's part in a run: join the group, load the target, choose how to split it (tensor
+or pipeline parallel), check that every rank loaded the same and chose alike, then either
+follow until rank 0 is done, or (rank 0) hand the split target to the engine."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import mlx.core as mx
 from ..errors import DistributedError, InvalidParameter
 from ..models import split as split_model
 from ..models.load import load
+from . import tensor
 from .check import check_ranks
 from .pipeline import Pipeline
 from .plan import layer_counts
@@ -41,48 +42,62 @@ def join() -> object:
 
 @contextmanager
 def pipelined(model: str | None, dtype: str, options: Options, quiet: bool = False):
-    """Rank 0: yields (the target whose first layers run on the other ranks, its Pipeline),
-    and stops the stages at the end. Other ranks: serve as a stage, then exit."""
+    """Rank 0: yields (the target split over the ranks, what runs the other ranks' part: a
+    Pipeline or a Tensor), and stops the other ranks at the end. Other ranks: follow (a
+    pipeline's stage, or a tensor-parallel shard), then exit."""
     if options.parallel not in PARALLEL:
         raise InvalidParameter(f"--parallel must be one of {', '.join(PARALLEL)}")
-    if options.parallel == "tensor":
-        raise InvalidParameter("--parallel tensor is not implemented yet; use pipeline")
     group = join()
-    rank = group.rank()
+    rank, size = group.rank(), group.size()
     target = load(model, dtype=dtype, quiet=quiet or rank != 0)
     split_model.check_splittable(target.model)
-    counts = layer_counts(target.num_layers, group.size(), options.split)
+    parallel = tensor.choose(target.model, options.parallel, size, options.split)
+    counts = layer_counts(target.num_layers, size, options.split) if parallel == "pipeline" \
+        else ()
     link = Link(group, options.timeout, Watchdog(rank))
     try:
-        check_ranks(link, target.path, {"parallel": "pipeline", "split": list(counts),
-                                        "dtype": target.dtype})
+        check_ranks(link, target.path, {"parallel": parallel, "ranks": size,
+                                        "split": list(counts), "dtype": target.dtype})
     except DistributedError:
         if rank:
             raise SystemExit(0) from None  # rank 0 reports it
         raise
+    if parallel == "tensor":
+        tensor.shard(target.model, group)
     if rank:
-        if threading.current_thread() is threading.main_thread():
-            # Ctrl-C reaches every local rank: rank 0 decides, and ends the stages with STOP.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            follow(target.model, link, counts)
-        except DistributedError as e:  # rank 0 reports the run's error; this says why here
-            print(f"mirror-mlx: rank {rank} stopped: {e}", file=sys.stderr, flush=True)
-            raise SystemExit(1) from None
-        raise SystemExit(0)
-    pipeline = Pipeline(target.model, link, counts)
+        _follow(target.model, link, counts)
+    remote = tensor.Tensor(target.model, link) if parallel == "tensor" else \
+        Pipeline(target.model, link, counts)
     failed = False
     try:
-        yield replace(target, split=counts), pipeline
+        yield replace(target, split=counts, ranks=size, parallel=parallel), remote
     except DistributedError:
         failed = True  # the ring is broken: nothing more can be sent
         raise
     finally:
         if not failed:
-            pipeline.stop()
+            remote.stop()
 
 
-def want_layers(pipeline: Pipeline, engine) -> None:
+def _follow(model, link: Link, counts: tuple[int, ...]) -> None:
+    """Ranks 1..n-1: serve rank 0's forwards (a stage for a pipeline's `counts`, else every
+    layer's shard), then exit."""
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C reaches every local rank: rank 0 decides, and ends the others with STOP.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        if counts:
+            follow(model, link, counts)
+        else:
+            tensor.follow(model, link)
+    except DistributedError as e:  # rank 0 reports the run's error; this says why here
+        print(f"mirror-mlx: rank {link.group.rank()} stopped: {e}", file=sys.stderr,
+              flush=True)
+        raise SystemExit(1) from None
+    raise SystemExit(0)
+
+
+def want_layers(pipeline: Pipeline | tensor.Tensor, engine) -> None:
     """Bring back what rank 0 reads from the stages' layers: the draft's features and
     Mirror-SD's early exit."""
     after = list(engine.drafter.feature_layers) if engine.drafter is not None else []

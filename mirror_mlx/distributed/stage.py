@@ -28,6 +28,15 @@ def run_stage(model: nn.Module, x: mx.array, cache: list, begin: int, end: int,
     return mx.concatenate([h, *rows]) if rows else h
 
 
+def trim(cache: list, offset: int, rank: int) -> None:
+    """Drop what rank 0 has trimmed since the last forward (rejected drafts)."""
+    for c in cache:
+        if c.offset < offset:
+            raise RuntimeError(f"rank {rank}: asked to continue at position {offset} but "
+                               f"holds {c.offset}")
+        c.trim(c.offset - offset)
+
+
 def follow(model: nn.Module, link: Link, counts: tuple[int, ...]) -> None:
     """Serve rank 0's forwards until it sends STOP."""
     rank, size = link.group.rank(), link.group.size()
@@ -50,9 +59,5 @@ def follow(model: nn.Module, link: Link, counts: tuple[int, ...]) -> None:
             raise RuntimeError(f"rank {rank}: unknown request {header.op}")
         x = link.recv(header.payload_shape(hidden), DTYPES[header.dtype], src,
                       "hidden states")
-        for c in cache[begin:end]:  # what rank 0 has trimmed since (rejected drafts)
-            if c.offset < header.offset:
-                raise RuntimeError(f"rank {rank}: asked to continue at position "
-                                   f"{header.offset} but holds {c.offset}")
-            c.trim(c.offset - header.offset)
+        trim(cache[begin:end], header.offset, rank)
         link.send(run_stage(model, x, cache, begin, end, header.keep), dst, "hidden states")

@@ -59,6 +59,12 @@ def load_draft(spec: str | None, target: LoadedModel) -> DraftNet:
             n = 0
         if not 0 < n <= target.num_layers:
             raise ModelLoadError(f"draft '{spec}': N must be in 1..{target.num_layers}")
+        if target.parallel:
+            # Its layers run (in part) on the other ranks: the draft would join their
+            # collectives from its own thread.
+            raise ModelLoadError(f"draft '{spec}' shares the target's layers, which are split "
+                                 f"over {target.ranks} ranks here ({target.parallel}); give a "
+                                 "draft of its own (--draft FOLDER or MODEL)")
         return DraftNet.from_model(target.model, n, target_info(target))
     if Path(spec).is_dir() and DraftNet.is_draft_folder(Path(spec)):
         return load_folder(Path(spec), target)

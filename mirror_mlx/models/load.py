@@ -35,7 +35,9 @@ class LoadedModel:
     context_length: int
     eos_token_ids: frozenset[int]
     dtype: str
-    split: tuple[int, ...] = ()  # layers per rank, rank 0 first, when split over processes
+    split: tuple[int, ...] = ()  # layers per rank, rank 0 first, when pipelined over processes
+    ranks: int = 1  # processes that run it
+    parallel: str = ""  # how it is split over them: "tensor" or "pipeline" ("" in one)
 
     @property
     def vocab_size(self) -> int:

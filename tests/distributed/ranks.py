@@ -1,5 +1,6 @@
 """Run on every rank (by mlx.launch) in the distributed tests: the default decoders over the
-pipelined target; rank 0 prints one JSON line {mode: {"token_ids", "stats"}}.
+target split over the ranks (`--parallel`, pipeline unless told); rank 0 prints one JSON
+line {mode: {"token_ids", "stats"}}.
 `--other-model` loads another file on rank 1; `--die-after N` kills rank 1 as it gets its
 Nth forward, `--hang-after N` makes it stop answering there."""
 
@@ -35,6 +36,7 @@ def main() -> int:
     p.add_argument("--model", required=True)
     p.add_argument("--other-model", default=None)
     p.add_argument("--split", default=None)
+    p.add_argument("--parallel", default="pipeline")
     p.add_argument("--modes", default="ar,sd,mirror")
     p.add_argument("--gamma", type=int, default=4)
     p.add_argument("--branch-budget", type=int, default=None)
@@ -62,7 +64,7 @@ def main() -> int:
 
         stage.run_stage = failing
     try:
-        with pipelined(model, "float32", Options("pipeline", args.split, args.timeout),
+        with pipelined(model, "float32", Options(args.parallel, args.split, args.timeout),
                        quiet=True) as (target, pipeline):
             out = {}
             for mode in args.modes.split(","):

@@ -1,0 +1,72 @@
+"""The target split by tensor parallelism (every rank runs every layer with its share of the
+heads and MLP width, mlx-lm's `shard()`), on 3 ranks over loopback: the decoders on rank 0
+give the same tokens as under one process, and a split that does not divide evenly is
+refused before any rank waits for another."""
+
+import json
+
+from mirror_mlx.distributed.tensor import choose
+from mirror_mlx.errors import InvalidParameter
+
+import pytest
+
+from tests.distributed.conftest import run_ranks
+from tests.families.tiny import tiny
+
+
+def test_auto_shards_where_heads_and_width_divide(target):
+    # The default target: 9 heads, 3 key/value heads, MLP width 1536.
+    assert choose(target.model, "auto", 3, None) == "tensor"
+    assert choose(target.model, "auto", 2, None) == "pipeline"
+    assert choose(target.model, "auto", 3, "10,10,10") == "pipeline"
+    assert choose(target.model, "pipeline", 3, None) == "pipeline"
+    with pytest.raises(InvalidParameter, match="9 attention heads and 3 key/value heads do "
+                                               "not divide by 2 ranks.*that divide them all: 3"):
+        choose(target.model, "tensor", 2, None)
+    with pytest.raises(InvalidParameter, match="--split gives a pipeline's layers"):
+        choose(target.model, "tensor", 3, "10,10,10")
+
+
+@pytest.mark.parametrize("family", ["phi3", "gemma2", "gemma3_text"])
+def test_families_mlx_lm_cannot_shard_are_refused(family):
+    model = tiny(family, layers=2)
+    with pytest.raises(InvalidParameter, match=f"no tensor-parallel split .* '{family}'.*"
+                                               "--parallel pipeline"):
+        choose(model, "tensor", 2, None)
+    assert choose(model, "auto", 2, None) == "pipeline"
+
+
+def test_three_ranks_all_decoders_equal_single_process(single, default_gguf, capfd):
+    """`--parallel auto` on 3 ranks shards the default target. SD's and Mirror-SD's tokens
+    are AR's under the same split (lossless), and AR's are one process's: the shares' sums
+    change only the float rounding of the target's logits."""
+    status, out, err = run_ranks(capfd, 3, "--model", str(default_gguf), "--parallel", "auto",
+                                 "--branch-budget", "1", "--interleave", "--sampled")
+    assert status == 0, err
+    replies = json.loads(out.strip().splitlines()[-1])
+    for mode in ("ar", "sd", "mirror"):
+        stats = replies[mode]["stats"]
+        assert (stats["ranks"], stats["parallel"], stats["split"]) == (3, "tensor", []), mode
+    ar = replies["ar"]["token_ids"]
+    assert replies["sd"]["token_ids"] == ar
+    assert replies["mirror"]["token_ids"] == ar
+    assert ar == single["ar"].token_ids
+    sd = replies["sd"]["stats"]
+    assert (sd["draft_tokens"], sd["accepted_tokens"]) == \
+        (single["sd"].stats.draft_tokens, single["sd"].stats.accepted_tokens)
+    mirror = replies["mirror"]["stats"]
+    assert mirror["exit_positions"] > 0
+    assert mirror["exit_covered"] / mirror["exit_positions"] >= 0.5, mirror
+    assert replies["sd-sampled"]["token_ids"] == single["sd-sampled"].token_ids
+    # The followers hold one session's cache: continuing another one is refused.
+    assert "one conversation at a time" in replies["interleaved"]
+
+
+def test_two_ranks_are_refused_with_what_does_not_divide(default_gguf, capfd):
+    status, out, err = run_ranks(capfd, 2, "--model", str(default_gguf), "--parallel",
+                                 "tensor", "--modes", "ar")
+    assert status == 1
+    assert out.strip() == ""
+    assert err.count("mirror-mlx: error") == 1, err
+    assert "--parallel tensor: its 9 attention heads and 3 key/value heads do not divide by " \
+           "2 ranks" in err
