@@ -42,12 +42,8 @@ class Pipeline:
 
     def layer(self, i: int, h: mx.array, cache) -> mx.array:
         offset = cache.offset
-        if i == 0 and cache is not self._driver:
-            # The stages keep one cache: another session may only start from scratch.
-            if offset:
-                raise InvalidParameter("across ranks, one conversation at a time: the other "
-                                       "ranks hold another session's cache")
-            self._driver = cache
+        if i == 0:
+            self._driver = driving(self._driver, cache)
         cache.offset += h.shape[1]
         if i == 0:
             self._outputs = self._forward(h, offset)
@@ -70,6 +66,15 @@ class Pipeline:
         if not self._stopped:
             self._stopped = True
             self.link.send(Header(STOP).array(), 1, "the end of the run")
+
+
+def driving(current, cache):
+    """The cache whose positions the other ranks hold, once a forward over `cache` begins: the
+    other ranks keep one cache, so another session's may only start from scratch."""
+    if cache is not current and cache.offset:
+        raise InvalidParameter("across ranks, one conversation at a time: the other ranks "
+                               "hold another session's cache")
+    return cache
 
 
 class StandIn(nn.Module):

@@ -28,7 +28,7 @@ from ..errors import DistributedError, InvalidParameter
 from ..models import split
 from ..models.load import materialize
 from . import stage
-from .pipeline import StandIn
+from .pipeline import StandIn, driving
 from .protocol import DTYPES, FORWARD, HEADER, STOP, Header, Link
 
 
@@ -96,15 +96,10 @@ class Tensor:
         """Nothing to bring back: every layer's output is on rank 0 (see Pipeline.want)."""
 
     def announce(self, h: mx.array, cache) -> None:
-        offset = cache.offset
-        if cache is not self._driver:
-            # The followers keep one cache: another session may only start from scratch.
-            if offset:
-                raise InvalidParameter("across ranks, one conversation at a time: the other "
-                                       "ranks hold another session's cache")
-            self._driver = cache
+        self._driver = driving(self._driver, cache)
         self._settle()
-        self.link.broadcast(Header(FORWARD, h.shape[1], offset, DTYPES.index(h.dtype)).array(),
+        self.link.broadcast(Header(FORWARD, h.shape[1], cache.offset,
+                                   DTYPES.index(h.dtype)).array(),
                             "a request")
         self.link.broadcast(h[:1], "hidden states")
         self._open = True
