@@ -124,8 +124,7 @@ class Session:
         self.check(prompt, max_tokens)
         mode = self.settings.mode if not self.hung else "ar"
         stats = GenerationStats(mode=self.settings.mode, prompt_tokens=len(prompt),
-                                draft_fault=self.hung, ranks=self.target.ranks,
-                                split=list(self.target.split), parallel=self.target.parallel)
+                                draft_fault=self.hung, **self.target.placement)
         sampler = Sampler(sampling or SamplingParams())
         clearer = CacheClearer(self.cache)
         mx.reset_peak_memory()

@@ -143,9 +143,7 @@ class _Mode:
               timeline: list | None = None) -> Iterator[list[int]]:
         temperature = self.config.temperature
         if self.engine is None:
-            target = self.target
-            stats = GenerationStats(mode=self.name, ranks=target.ranks, split=list(target.split),
-                                    parallel=target.parallel)
+            stats = GenerationStats(mode=self.name, **self.target.placement)
             yield from mlx_lm_steps(self.target, self.wrapper, ids, max_tokens, temperature,
                                     seed, self.mlx_draft, self.config.gamma or MLX_LM_GAMMA,
                                     stats)

@@ -40,6 +40,11 @@ class LoadedModel:
     parallel: str = ""  # how it is split over them: "tensor" or "pipeline" ("" in one)
 
     @property
+    def placement(self) -> dict:
+        """How it runs across processes, in the stats' field names (GenerationStats)."""
+        return {"ranks": self.ranks, "split": list(self.split), "parallel": self.parallel}
+
+    @property
     def vocab_size(self) -> int:
         return int(self.model.args.vocab_size)
 
