@@ -6,8 +6,14 @@ confidences in tokens 1..k, which a distilled draft roughly calibrates). Worth i
 a_k * t_1 > c_d + c_v, t_1 being a target step over one token (what target-only decoding pays
 per token). Every token drafted under that rule is expected to earn more than it costs, so a
 step never costs more than target-only decoding for what it is expected to commit; when even
-the first token fails the rule, the step verifies nothing and is a target-only step. Copies
-from the context (prompt lookup) cost no drafting and take the longest window.
+the first token fails the rule, the step verifies nothing and is a target-only step.
+
+Copies from the context (prompt lookup) cost no drafting, but each copied token still costs
+c_v, and how far a copy survives depends on the temperature (at 0 a quoted passage is copied
+whole; at 1.0 the target rarely repeats itself word for word). So copied token k is verified
+while a_k * t_1 > c_v, a_k now being the chance, measured at this temperature over the copies
+verified so far, that a copy is accepted up to k; and one token past those, so that copies stay
+measured where they start to survive longer (that token costs c_v, a few per cent of a step).
 
 The costs are measured as decoding goes (moving averages), so the rule follows the hardware:
 a draft on its own unit (c_d hidden) drafts long windows, one that shares the target's cores
@@ -35,6 +41,10 @@ PROBE = 8  # drafting steps measured before drafting may be switched off, and af
 FIRST_PAUSE = 16  # steps without drafting after the first switch-off; doubled after each probe
 MAX_PAUSE = 512
 PAYS = 1.0  # earnings (target-only decoding = 1) below which drafting is switched off
+# Copies' acceptance at each window position, counted with this decay per observation (about
+# the last 20 copies count); before any, as if 2 copies had been seen and 1.8 accepted there.
+COPY_DECAY = 0.95
+COPY_PRIOR = (1.8, 2.0)
 
 
 @dataclass
@@ -45,6 +55,10 @@ class Gate:
     measured: int = 0  # drafting steps measured since drafting was last switched on
     pause: int = FIRST_PAUSE
     off_for: int = 0  # steps left without drafting
+    # Copies from the context, by window position: decayed counts of copies verified up to
+    # there (reached it: every token before it accepted) and accepted there.
+    copy_hits: list[float] = field(default_factory=lambda: [COPY_PRIOR[0]] * LONGEST)
+    copy_tries: list[float] = field(default_factory=lambda: [COPY_PRIOR[1]] * LONGEST)
 
 
 @dataclass
@@ -55,9 +69,12 @@ class DraftLength:
     chosen: dict[int, int] = field(default_factory=dict)  # windows verified, by length
     gates: dict[float, Gate] = field(default_factory=dict)  # by sampling temperature
 
+    def gate(self, temperature: float) -> Gate:
+        return self.gates.setdefault(round(temperature, 2), Gate())
+
     def drafting(self, temperature: float) -> bool:
         """Whether this step drafts (False: only free copies from the context)."""
-        gate = self.gates.setdefault(round(temperature, 2), Gate())
+        gate = self.gate(temperature)
         if gate.off_for:
             gate.off_for -= 1
             if not gate.off_for:
@@ -72,7 +89,7 @@ class DraftLength:
         target costs (t_1 + c_v per drafted token), which a single step's noisy time is not."""
         if not self.target_s:
             return
-        gate = self.gates.setdefault(round(temperature, 2), Gate())
+        gate = self.gate(temperature)
         t1, slope = self._fit()
         earned = committed * t1 / (t1 + slope * drafted + draft_s)
         gate.measured += 1
@@ -86,6 +103,26 @@ class DraftLength:
             gate.pause = min(2 * gate.pause, MAX_PAUSE)
         elif gate.measured == PROBE:
             gate.pause = FIRST_PAUSE  # it pays again: the next switch-off starts short
+
+    def longest_copy(self, temperature: float) -> int:
+        """The most tokens a copy from the context may verify at this temperature."""
+        if not self.target_s:
+            return self.longest
+        t1, slope = self._fit()
+        gate, survives, k = self.gate(temperature), 1.0, 0
+        for hits, tries in zip(gate.copy_hits[: self.longest], gate.copy_tries):
+            survives *= hits / tries
+            if survives * t1 <= slope:
+                break
+            k += 1
+        return min(self.longest, k + 1)
+
+    def record_copy(self, temperature: float, verified: int, accepted: int) -> None:
+        """A copy of `verified` tokens had its first `accepted` accepted."""
+        gate = self.gate(temperature)
+        for k in range(min(verified, accepted + 1, LONGEST)):
+            gate.copy_tries[k] = COPY_DECAY * gate.copy_tries[k] + 1
+            gate.copy_hits[k] = COPY_DECAY * gate.copy_hits[k] + (k < accepted)
 
     def threshold(self) -> float:
         """The least confidence a_k at which drafting token k still pays."""

@@ -60,7 +60,7 @@ class MirrorConfig:
 
 def _tail(r: Rollout, skip: int) -> Rollout:
     return Rollout(r.tokens[skip:], r.top_ids[skip:], r.top_probs[skip:],
-                   None if r.probs is None else r.probs[skip:], r.ended)
+                   None if r.probs is None else r.probs[skip:], r.ended, r.copied)
 
 
 def _overlap(a: tuple[float, float], b: tuple[float, float]) -> float:
@@ -174,28 +174,34 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         """The most tokens the step may draft."""
         return max(0, min(length.longest if length else config.gamma, limit - len(committed)))
 
-    def take_window(g: int, drafting: bool) -> tuple[list[int], np.ndarray | None, float]:
+    def copy_room() -> int | None:
+        """The most tokens a copy from the context may draft."""
+        return length.longest_copy(sampler.params.temperature) if length else None
+
+    def take_window(g: int, drafting: bool
+                    ) -> tuple[list[int], np.ndarray | None, bool, float]:
         """The step's drafts (a rolled-out window's, or a fresh job's: only a copy from the
-        context where the step does not draft), their distributions q, and the seconds
-        drafting took on the critical path."""
+        context where the step does not draft), their distributions q, whether they are a
+        copy from the context, and the seconds drafting took on the critical path."""
         nonlocal window, pending
         spent = 0.0
         if g and (window is None or (len(window.tokens) < g and not window.ended)):
             t = time.perf_counter()
             done = drafter.submit(Job([committed], g, q_params, "fresh", features=pending,
                                       min_confidence=length.threshold() if length else 0.0,
-                                      committed=committed, copy_only=not drafting)
+                                      committed=committed, copy_only=not drafting,
+                                      longest_copy=copy_room())
                                   ).result(DRAFT_WAIT_S)
             pending = []
             window = done.rollouts[0]
             spent = time.perf_counter() - t
             stats.add_time("draft_serial", spent)
             mark("draft_fresh", t, time.perf_counter())
-            if length and not done.extra.get("lookup"):
+            if length and not window.copied:
                 length.record_draft(done.end - done.start, max(1, done.forwards))
         drafts = window.tokens[:g] if g else []
         q = window.probs[: len(drafts)] if drafts and window.probs is not None else None
-        return drafts, q, spent
+        return drafts, q, bool(drafts) and window.copied, spent
 
     drafting = length is None or length.drafting(sampler.params.temperature)
     ahead: Window | None = None  # the step's window, when dispatched before the last yield
@@ -204,7 +210,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         asked = room()
         confidence = length.threshold() if length else 0.0
         # `spent`: drafting on this step's critical path.
-        drafts, q, spent = (ahead.drafts, ahead.q, 0.0) if ahead else \
+        drafts, q, copied, spent = (ahead.drafts, ahead.q, ahead.copied, 0.0) if ahead else \
             take_window(asked, drafting)
         g = len(drafts)
         ready = time.perf_counter()
@@ -224,8 +230,10 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         # 1. The likeliest outcome needs no early-exit signal: start it now.
         early = None
         if g and plan.early and drafting:
+            copies = copy_room()
             early = drafter.submit(Job([committed + drafts], longest + 1, q_params, "early", True,
-                                       early_stop, pending, confidence, committed))
+                                       early_stop, pending, confidence, committed,
+                                       longest_copy=None if copies is None else copies + 1))
             pending = []
 
         picks, late = [], None
@@ -265,7 +273,8 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             late_stop = Stop(outcomes.__contains__, early_stop.verdict)
             late = drafter.submit(Job([committed + drafts[: b.r] + [b.token] for b in picks],
                                       longest, q_params, "branches", False, late_stop,
-                                      pending + seen, confidence, committed))
+                                      pending + seen, confidence, committed,
+                                      longest_copy=copy_room()))
             pending = []
 
             # 4. Target suffix and verification.
@@ -310,6 +319,8 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             if ahead is None:  # a window dispatched ahead computed partly while the caller worked
                 length.record_target(t_done - t_start, g)
             stats.draft_lengths[g] = stats.draft_lengths.get(g, 0) + 1
+            if copied:
+                length.record_copy(sampler.params.temperature, g, accepted)
         mark("target_suffix" if split_pass else "target", t_suffix, t_done)
 
         # 5. Reuse a rollout of the actual outcome, or fall back to drafting afresh.
@@ -360,6 +371,6 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         # works, as AR's does.
         ahead = None
         if not drafting:
-            ahead = Window.verify(model, cache, committed[-1], *take_window(room(), False)[:2],
-                                  taps)
+            drafts, q, copied, _ = take_window(room(), False)
+            ahead = Window.verify(model, cache, committed[-1], drafts, q, taps, copied)
         yield new

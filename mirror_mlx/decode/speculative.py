@@ -28,15 +28,16 @@ class Window:
     logits: mx.array  # (len(drafts) + 1, V)
     features: list[mx.array]  # the target's outputs at the draft's feature layers
     dispatched: float  # perf_counter seconds
+    copied: bool  # the drafts are a copy from the context
 
     @staticmethod
     def verify(model: nn.Module, cache: list, last: int, drafts: list[int],
-               q: np.ndarray | None, taps: tuple[int, ...]) -> Window:
+               q: np.ndarray | None, taps: tuple[int, ...], copied: bool = False) -> Window:
         dispatched = time.perf_counter()
         logits, features = split.forward(model, mx.array([[last] + drafts]), cache, taps)
         logits = logits[0]
         mx.async_eval(logits, *features)
-        return Window(drafts, q, logits, features, dispatched)
+        return Window(drafts, q, logits, features, dispatched, copied)
 
 
 def speculative(model: nn.Module, cache: list, drafter: Drafter, committed: list[int],
@@ -63,18 +64,20 @@ def speculative(model: nn.Module, cache: list, drafter: Drafter, committed: list
         does not draft), its forward dispatched; and the seconds drafting took."""
         nonlocal pending
         t0 = time.perf_counter()
-        drafts, q = [], None
+        drafts, q, copied = [], None, False
         if g:
             job = Job([committed], g, q_params, features=pending,
                       min_confidence=gamma.threshold() if adaptive else 0.0,
-                      committed=committed, copy_only=not drafting)
+                      committed=committed, copy_only=not drafting,
+                      longest_copy=gamma.longest_copy(temperature) if adaptive else None)
             done = drafter.submit(job).result(DRAFT_WAIT_S)
             pending = []
-            drafts, q = done.rollouts[0].tokens, done.rollouts[0].probs
-            if adaptive and not done.extra.get("lookup"):
+            rollout = done.rollouts[0]
+            drafts, q, copied = rollout.tokens, rollout.probs, rollout.copied
+            if adaptive and not copied:
                 gamma.record_draft(done.end - done.start, max(1, done.forwards))
         drafted = time.perf_counter() - t0
-        return Window.verify(model, cache, committed[-1], drafts, q, taps), drafted
+        return Window.verify(model, cache, committed[-1], drafts, q, taps, copied), drafted
 
     drafting = not adaptive or gamma.drafting(temperature)
     ahead = None  # the step's window, when it was dispatched before the last yield
@@ -102,6 +105,8 @@ def speculative(model: nn.Module, cache: list, drafter: Drafter, committed: list
             if ahead is None:  # the caller's work is not the target's
                 gamma.record_target(t2 - t1, g)
             stats.draft_lengths[g] = stats.draft_lengths.get(g, 0) + 1
+            if window.copied:
+                gamma.record_copy(temperature, g, accepted)
             if drafting and asked:
                 gamma.record_step(temperature, len(new), g, draft_s)
         stats.record_step(g, accepted)

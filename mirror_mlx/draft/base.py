@@ -82,6 +82,9 @@ class Job:
     # Only a copy from the context (prompt lookup, free) may answer: no draft forward. Other
     # sequences get empty rollouts that have `ended`.
     copy_only: bool = False
+    # The most tokens a copy from the context may draft (None: n): the decoder's measure of
+    # how far copies survive verification at its temperature (decode/length.py).
+    longest_copy: int | None = None
 
     def __post_init__(self) -> None:
         c = self.committed
@@ -97,6 +100,7 @@ class Rollout:
     top_probs: np.ndarray  # (n, k) their probabilities under the draft
     probs: np.ndarray | None = None  # (n, vocab) sampling distributions q; None when greedy
     ended: bool = False  # stopped short of the job's n by its confidence (Job.min_confidence)
+    copied: bool = False  # a copy from the context (draft/lookup.py), not the draft's own
 
 
 @dataclass

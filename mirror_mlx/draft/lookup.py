@@ -91,15 +91,17 @@ class NgramIndex:
         return None
 
 
-def copied(tokens: list[int], sampling: SamplingParams | None, vocab_size: int) -> Rollout:
-    """A rollout of copied tokens: the draft is sure of each (q is a point mass)."""
+def copied(tokens: list[int], sampling: SamplingParams | None, vocab_size: int,
+           ended: bool) -> Rollout:
+    """A rollout of copied tokens: the draft is sure of each (q is a point mass). `ended`:
+    cut short of the job's n (Job.longest_copy)."""
     n = len(tokens)
     probs = None
     if sampling is not None:
         probs = np.zeros((n, vocab_size), np.float32)
         probs[np.arange(n), tokens] = 1.0
     return Rollout(list(tokens), np.array(tokens, np.int64)[:, None], np.ones((n, 1), np.float32),
-                   probs)
+                   probs, ended, copied=True)
 
 
 class LookupDrafter:
@@ -126,20 +128,21 @@ class LookupDrafter:
         self.copies = 0  # sequences answered from the context
 
     def _lookup(self, job: Job) -> list[list[int] | None]:
-        if not job.n:
+        n = job.n if job.longest_copy is None else min(job.n, job.longest_copy)
+        if not n:
             return [None] * len(job.sequences)
         if job.committed is None:
-            return [lookup(s, job.n, self.match) for s in job.sequences]
+            return [lookup(s, n, self.match) for s in job.sequences]
         self._index.update(job.committed, job.committed_len)
-        return [self._index.lookup(s, job.n) for s in job.sequences]
+        return [self._index.lookup(s, n) for s in job.sequences]
 
     def submit(self, job: Job) -> Future[JobResult]:
         start = time.perf_counter()
         found = self._lookup(job)
         ask = [i for i, f in enumerate(found) if f is None]
         self.copies += len(found) - len(ask)
-        copies = {i: copied(f, job.sampling, self.vocab_size) for i, f in enumerate(found)
-                  if f is not None}
+        copies = {i: copied(f, job.sampling, self.vocab_size, len(f) < job.n)
+                  for i, f in enumerate(found) if f is not None}
         if job.compact:
             self._main = None
             if found[0] is not None:

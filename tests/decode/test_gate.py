@@ -3,7 +3,7 @@
 it pays; output stays the target's."""
 
 from mirror_mlx.api import Engine
-from mirror_mlx.decode.length import FIRST_PAUSE, PROBE, DraftLength, Gate
+from mirror_mlx.decode.length import FIRST_PAUSE, LONGEST, PROBE, DraftLength, Gate
 from mirror_mlx.decode.sampling import SamplingParams
 from mirror_mlx.draft.load import target_info
 from mirror_mlx.draft.mlx_draft import MLXDrafter
@@ -49,6 +49,23 @@ def test_drafting_comes_back_where_it_pays_again():
     run(length, 0.7, 100, committed=1, seconds=0.05)
     drafted = run(length, 0.7, 600, committed=4, seconds=0.02)
     assert drafted[-100:] == [True] * 100
+
+
+def test_copies_are_as_long_as_they_survive_at_each_temperature():
+    """A copied token costs c_v (2.5 ms here, t_1 = 100 ms): copies run to the longest window
+    where they are accepted whole and otherwise stop one token (still measured) past those
+    that survive; each temperature on its own measure."""
+    length = measured(DraftLength())
+    assert length.longest_copy(1.0) == LONGEST  # nothing measured: copies as they come
+    for _ in range(100):
+        length.record_copy(0.0, LONGEST, LONGEST)
+        length.record_copy(0.5, LONGEST, 3)
+        length.record_copy(1.0, LONGEST, 0)
+    assert [length.longest_copy(t) for t in (0.0, 0.5, 1.0)] == [LONGEST, 4, 1]
+    # Copies that survive the token past the rule lengthen again.
+    for _ in range(60):
+        length.record_copy(0.5, 4, 4)
+    assert length.longest_copy(0.5) == LONGEST
 
 
 def test_a_draft_that_never_pays_costs_few_forwards_and_changes_nothing(target):

@@ -36,9 +36,10 @@ def test_no_match_no_draft():
 
 
 def test_a_copied_draft_is_certain():
-    greedy = copied([4, 2], None, 10)
+    greedy = copied([4, 2], None, 10, False)
     assert greedy.probs is None and greedy.top_ids[:, 0].tolist() == [4, 2]
-    sampled = copied([4, 2], SamplingParams(temperature=0.8), 10)
+    assert greedy.copied and not greedy.ended
+    sampled = copied([4, 2], SamplingParams(temperature=0.8), 10, True)
     assert sampled.probs.shape == (2, 10) and sampled.probs.sum() == 2.0
     assert sampled.probs[0, 4] == 1.0 and sampled.probs[1, 2] == 1.0
 
@@ -98,6 +99,19 @@ def test_each_sequence_is_copied_where_it_matches_and_the_rest_drafted(target, d
     other = text[:-1] + plain[-2:]
     late = drafter.submit(Job([other, text], 2, compact=False)).result()
     assert [r.tokens for r in late.rollouts] == [greedy(target, other, 2), lookup(text, 2)]
+
+
+def test_a_copy_is_no_longer_than_the_job_allows(target, drafter):
+    text = target.tokenizer.encode("red green blue, red green blue, red green")
+    short = drafter.submit(Job([text], 4, longest_copy=2)).result().rollouts[0]
+    assert short.copied and short.ended and short.tokens == lookup(text, 2)
+    whole = drafter.submit(Job([text], 2, longest_copy=5)).result().rollouts[0]
+    assert whole.copied and not whole.ended and whole.tokens == lookup(text, 2)
+    # No copy allowed: the network drafts, or, in a step that does not draft, nothing does.
+    drafted = drafter.submit(Job([text], 3, longest_copy=0)).result().rollouts[0]
+    assert not drafted.copied and drafted.tokens == greedy(target, text, 3)
+    none = drafter.submit(Job([text], 3, longest_copy=0, copy_only=True)).result().rollouts[0]
+    assert not none.copied and none.tokens == [] and none.ended
 
 
 def test_a_failure_in_the_catch_up_reaches_the_caller(target, drafter):
