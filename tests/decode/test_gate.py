@@ -51,6 +51,20 @@ def test_drafting_comes_back_where_it_pays_again():
     assert drafted[-100:] == [True] * 100
 
 
+def test_drafting_is_priced_with_the_measured_window_costs():
+    """On a CPU a window's cost is not a line: here one draft adds 30% to a step, four 45%.
+    A step committing 1.25 tokens per one-draft window earns 1.25 x 100 / 130 < 1 and
+    drafting switches off (a line through the three lengths would price it at 1.15)."""
+    length = DraftLength()
+    for drafted, seconds in ((0, 0.100), (1, 0.130), (4, 0.145)):
+        length.record_target(seconds, drafted)
+    drafted = []
+    for i in range(PROBE):
+        drafted.append(length.drafting(1.0))
+        length.record_step(1.0, 2 if i % 4 == 0 else 1, 1, 0.0)
+    assert drafted == [True] * PROBE and not length.drafting(1.0)
+
+
 def test_copies_are_as_long_as_they_survive_at_each_temperature():
     """A copied token costs c_v (2.5 ms here, t_1 = 100 ms): copies run to the longest window
     where they are accepted whole and otherwise stop one token (still measured) past those
