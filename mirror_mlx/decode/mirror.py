@@ -178,7 +178,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         """The most tokens a copy from the context may draft."""
         return length.longest_copy(sampler.params.temperature) if length else None
 
-    def take_window(g: int, drafting: bool
+    def take_window(g: int, drafting: bool, copies: int | None
                     ) -> tuple[list[int], np.ndarray | None, bool, float]:
         """The step's drafts (a rolled-out window's, or a fresh job's: only a copy from the
         context where the step does not draft), their distributions q, whether they are a
@@ -190,7 +190,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             done = drafter.submit(Job([committed], g, q_params, "fresh", features=pending,
                                       min_confidence=length.threshold() if length else 0.0,
                                       committed=committed, copy_only=not drafting,
-                                      longest_copy=copy_room())
+                                      longest_copy=copies)
                                   ).result(DRAFT_WAIT_S)
             pending = []
             window = done.rollouts[0]
@@ -209,9 +209,10 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         longest = length.longest if length else config.gamma
         asked = room()
         confidence = length.threshold() if length else 0.0
+        copies = copy_room()
         # `spent`: drafting on this step's critical path.
         drafts, q, copied, spent = (ahead.drafts, ahead.q, ahead.copied, 0.0) if ahead else \
-            take_window(asked, drafting)
+            take_window(asked, drafting, copies)
         g = len(drafts)
         ready = time.perf_counter()
         charged = None if played is None else (played[0], ready - played[1])
@@ -230,7 +231,6 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         # 1. The likeliest outcome needs no early-exit signal: start it now.
         early = None
         if g and plan.early and drafting:
-            copies = copy_room()
             early = drafter.submit(Job([committed + drafts], longest + 1, q_params, "early", True,
                                        early_stop, pending, confidence, committed,
                                        longest_copy=None if copies is None else copies + 1))
@@ -274,7 +274,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
             late = drafter.submit(Job([committed + drafts[: b.r] + [b.token] for b in picks],
                                       longest, q_params, "branches", False, late_stop,
                                       pending + seen, confidence, committed,
-                                      longest_copy=copy_room()))
+                                      longest_copy=copies))
             pending = []
 
             # 4. Target suffix and verification.
@@ -371,6 +371,6 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         # works, as AR's does.
         ahead = None
         if not drafting:
-            drafts, q, copied, _ = take_window(room(), False)
+            drafts, q, copied, _ = take_window(room(), False, copy_room())
             ahead = Window.verify(model, cache, committed[-1], drafts, q, taps, copied)
         yield new
