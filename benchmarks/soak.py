@@ -9,7 +9,8 @@ generations.
 
 A chat turn that no longer fits the context (PromptTooLong) drops the oldest turns until it
 does; a reply cut by the context ("context") starts a new chat. Writes OUT/soak.json (the
-samples, the counts of finish reasons, the verdict) and OUT/soak.png (needs matplotlib: pip
+samples, the counts of finish reasons, the verdict; rewritten at each sample, so a soak cut
+short keeps what it measured) and OUT/soak.png after each mode (needs matplotlib: pip
 install 'mirror-mlx[bench]'). The verdict, per mode: the resident memory at the end is within
 TOLERANCE of what it was after the warm-up (`--warmup`, a share of the generations), and the
 process's thread count after the warm-up never exceeds it.
@@ -26,6 +27,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -122,7 +124,10 @@ def on_a_thread(fresh: bool, fn, *args):
     return box["value"]
 
 
-def soak(target, mode: str, args, canceller: Canceller) -> tuple[list[Sample], Counter]:
+def soak(target, mode: str, args, canceller: Canceller,
+         progress: Callable[[list[Sample], Counter], None]) -> tuple[list[Sample], Counter]:
+    """`progress(samples, finishes)` after each sample, so an interrupted soak keeps what it
+    measured."""
     rng = random.Random(args.seed)
     samples, finishes = [], Counter()
     start = time.monotonic()
@@ -147,6 +152,7 @@ def soak(target, mode: str, args, canceller: Canceller) -> tuple[list[Sample], C
                 last = samples[-1]
                 print(f"[{mode}] {g}: {last.rss_mib:.0f} MiB, {last.threads} threads",
                       file=sys.stderr, flush=True)
+                progress(samples, finishes)
     return samples, finishes
 
 
@@ -207,19 +213,27 @@ def main(argv: list[str] | None = None) -> int:
     target = load(args.model, quiet=True)
     canceller = Canceller()  # before the first sample: its thread is there throughout
     samples, finishes, verdicts = [], {}, {}
+
+    def write(now: list[Sample], draw: bool) -> None:
+        """soak.json with what has been measured so far (and the plot, where `draw`)."""
+        (args.out / "soak.json").write_text(json.dumps(
+            {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+             "verdicts": verdicts, "finishes": {m: dict(c) for m, c in finishes.items()},
+             "samples": [asdict(s) for s in now]}, indent=1))
+        if draw and not args.no_plot:
+            plot(now, args.out / "soak.png")
+
     try:
         for mode in (m.strip() for m in args.modes.split(",")):
-            mine, finishes[mode] = soak(target, mode, args, canceller)
-            samples += mine
+            def progress(mine: list[Sample], counts: Counter, mode: str = mode) -> None:
+                finishes[mode] = counts
+                write(samples + mine, draw=False)
+            mine, finishes[mode] = soak(target, mode, args, canceller, progress)
+            samples.extend(mine)
             verdicts[mode] = verdict(mine, round(args.generations * args.warmup))
+            write(samples, draw=True)
     finally:
         canceller.close()
-    (args.out / "soak.json").write_text(json.dumps(
-        {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-         "verdicts": verdicts, "finishes": {m: dict(c) for m, c in finishes.items()},
-         "samples": [asdict(s) for s in samples]}, indent=1))
-    if not args.no_plot:
-        plot(samples, args.out / "soak.png")
     for mode, v in verdicts.items():
         print(f"{mode}: {args.generations} generations {dict(finishes[mode])}; resident "
               f"{v['rss_after_warmup_mib']:.0f} MiB after warm-up (generation "
