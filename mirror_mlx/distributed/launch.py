@@ -4,6 +4,7 @@ machine, and stops them all when one fails), then reports the run's outcome as o
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -14,6 +15,9 @@ from pathlib import Path
 from ..errors import DistributedError, InvalidParameter, MissingExtra
 
 STOP_WAIT = 30.0  # seconds the ranks get to end after Ctrl-C
+# The backends whose collectives the split uses (all-sums, sends and receives between Macs):
+# the ring over TCP, and JACCL over Thunderbolt 5 RDMA (its mesh, or its ring of neighbours).
+BACKENDS = ("ring", "jaccl", "jaccl-ring")
 # mlx.launch's own lines about ranks that ended (its warnings are colored).
 _ENDED = re.compile(r"Node with rank (\d+) (was killed|exited with code (-?\d+))")
 
@@ -31,17 +35,45 @@ def launcher() -> str:
     return found
 
 
+def read_hostfile(hostfile: str) -> tuple[str, list[str]]:
+    """An mlx.launch hostfile's backend ("ring" where it names none, so a hostfile that
+    `mlx.distributed_config` wrote for JACCL runs unchanged) and its hosts' names."""
+    try:
+        data = json.loads(Path(hostfile).read_text())
+        hosts = data["hosts"] if isinstance(data, dict) else data
+        names = [str(h["ssh"]) for h in hosts]
+    except OSError as e:
+        raise DistributedError(f"--hostfile {hostfile}: {e.strerror or e}") from e
+    except (ValueError, KeyError, TypeError) as e:
+        raise DistributedError(f"--hostfile {hostfile}: not an mlx.launch hostfile (a JSON "
+                               f"list of hosts with an 'ssh' name each: {e!r})") from e
+    if len(names) < 2:
+        raise DistributedError(f"--hostfile {hostfile}: lists {len(names)} host(s); a split "
+                               f"needs at least 2 (list one several times to run several "
+                               f"ranks on it)")
+    backend = (data.get("backend") if isinstance(data, dict) else None) or "ring"
+    if backend not in BACKENDS:
+        raise DistributedError(f"--hostfile {hostfile}: backend '{backend}' is not one this "
+                               f"runs over ({', '.join(BACKENDS)})")
+    return backend, names
+
+
 def launch_command(argv: list[str], hosts: str | None, hostfile: str | None, port: int,
                    program: tuple[str, ...] = ("-m", "mirror_mlx")) -> list[str]:
-    where = ["--hostfile", hostfile] if hostfile else ["--hosts", hosts]
+    if hostfile:
+        backend, names = read_hostfile(hostfile)
+        where = ["--hostfile", hostfile]
+    else:
+        backend, names = "ring", hosts.split(",")
+        where = ["--hosts", hosts]
     env = []
-    shared = max(hosts.split(",").count(h) for h in hosts.split(",")) if hosts else 1
+    shared = max(names.count(h) for h in names)
     if shared > 1 and "MIRROR_MLX_BLAS_THREADS" not in os.environ:
         # Ranks that share a machine share its cores: BLAS threads that each expect all of
         # them spin against each other (measured on 2 cores, 2 ranks: 5 s a token, 1 s with
         # one thread each).
         env = ["--env", f"MIRROR_MLX_BLAS_THREADS={max(1, (os.cpu_count() or 1) // shared)}"]
-    return [launcher(), "--backend", "ring", *where, "--starting-port", str(port), *env,
+    return [launcher(), "--backend", backend, *where, "--starting-port", str(port), *env,
             "--python", sys.executable, "--", *program, *argv]
 
 
@@ -50,8 +82,6 @@ def relaunch(argv: list[str], hosts: str | None, hostfile: str | None, port: int
     """Run `program` with `argv` (by default this command line) on every rank; returns the
     exit status. Rank 0's output passes through; when a rank ends badly, one error says
     which, unless rank 0 said it."""
-    if hostfile and not Path(hostfile).is_file():
-        raise DistributedError(f"--hostfile {hostfile}: no such file")
     if not hostfile and len(hosts.split(",")) < 2:
         raise InvalidParameter("--hosts needs at least 2 addresses (repeat one to run "
                                "several ranks on a machine)")

@@ -4,6 +4,7 @@ follow until rank 0 is done, or (rank 0) hand the split target to the engine."""
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import threading
@@ -34,8 +35,11 @@ class Options:
 
 
 def join() -> object:
+    """This rank's group, over the backend its launcher set up (mlx.launch writes
+    MLX_JACCL_COORDINATOR for JACCL, MLX_HOSTFILE for the ring)."""
+    backend = "jaccl" if "MLX_JACCL_COORDINATOR" in os.environ else "ring"
     try:
-        return mx.distributed.init(backend="ring", strict=True)
+        return mx.distributed.init(backend=backend, strict=True)
     except RuntimeError as e:
         raise DistributedError(f"could not join the other ranks: {e}") from e
 

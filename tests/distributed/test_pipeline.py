@@ -11,12 +11,16 @@ from mirror_mlx.cli import main as cli_main
 from tests.distributed.conftest import PROMPT, free_ports, run_ranks
 
 
-def test_generate_on_two_ranks_equals_single_process(single, capfd):
-    """The CLI relaunches itself on 2 ranks; SD's tokens are AR's, and with a fixed gamma it
-    accepts exactly what it accepts in one process: the draft got the target's features
-    (layers 3 and 15 of 30 run on rank 1)."""
+def test_generate_on_two_ranks_equals_single_process(single, capfd, tmp_path):
+    """The CLI relaunches itself on 2 ranks from an mlx.launch hostfile (the other tests name
+    --hosts); SD's tokens are AR's, and with a fixed gamma it accepts exactly what it accepts
+    in one process: the draft got the target's features (layers 3 and 15 of 30 run on rank
+    1)."""
+    hostfile = tmp_path / "hosts.json"
+    hostfile.write_text(json.dumps({"backend": "ring", "hosts": [
+        {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}] * 2}))
     status = cli_main(["generate", "--prompt", PROMPT, "--max-tokens", "16", "--json",
-                       "--mode", "sd", "--gamma", "4", "--hosts", "127.0.0.1,127.0.0.1",
+                       "--mode", "sd", "--gamma", "4", "--hostfile", str(hostfile),
                        "--ring-port", str(free_ports(2))])
     out, err = capfd.readouterr()
     assert status == 0, err
