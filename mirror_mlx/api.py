@@ -9,6 +9,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -208,59 +209,84 @@ class Engine:
                  exit_head: str | None = None, branch_budget: int | None = None,
                  branch_source: str = "union", lookup: bool = True,
                  separate_units: bool = False, draft_device: str | None = None,
+                 hosts: str | None = None, hostfile: str | None = None,
+                 parallel: str = "auto", split_layers: str | None = None,
+                 ring_port: int = 32323, rank_timeout: float = 120.0,
                  quiet: bool = False):
+        """`hosts` ("IP,IP,...") or `hostfile` (mlx.launch's JSON hostfile) split the target
+        over ranks, as the CLI's --hosts, --hostfile, --parallel, --split, --ring-port and
+        --rank-timeout do. This program then runs again on every rank through mlx.launch:
+        the process that called Engine(hosts=...) waits for the run and exits with its status;
+        on rank 0 the call returns the engine; on the others it serves rank 0's forwards
+        and exits when rank 0's engine closes. What the program does before this call, every
+        rank does."""
         self._turns = _Turns()
         self._closed = False
         self._closing = threading.Lock()
         self._wired = False
         self.drafter = None
-        if not isinstance(model, LoadedModel):
-            model = load(model, dtype=dtype, quiet=quiet)
-        self.target = model
-        head = load_exit_head(exit_head, model, exit_layer) if mode == "mirror" else None
-        layer = head.layer if head else exit_layer or round(model.num_layers * 5 / 6)
-        settings = DecodeSettings(mode, gamma, MirrorConfig(
-            kappa=kappa, exit_layer=layer, budget=branch_budget,
-            source=branch_source, exit_head=head, separate_units=separate_units))
-        settings.check(model.num_layers)
-        if mode != "ar":
-            # A spec names a draft (draft/select.py); a Drafter is used as it is.
-            if draft is None or isinstance(draft, str):
-                self.drafter = make_drafter(draft, model, draft_device)
-            elif draft_device not in (None, "auto"):
-                raise InvalidParameter("draft_device places a draft named by its spec; a "
-                                       "Drafter object runs where it was built")
-            else:
-                self.drafter = draft
-            if mode == "mirror":
-                # The exit reads out only the tokens the draft's head knows (split.ExitVocab).
-                ids = self.drafter.head_ids
-                if len(ids) < model.vocab_size:
-                    settings.mirror.exit_vocab = split.ExitVocab.of(model.model, ids)
-            if lookup:
-                self.drafter = LookupDrafter(self.drafter)
-            if self.drafter.context is not None:
-                # The draft's cache also holds the window and the branches rolled out beside it.
-                budget = AUTO_BUDGET if branch_budget is None else branch_budget
-                window = gamma or LONGEST
-                room = self.drafter.context - (budget + 1) * (2 * window + 2)
-                context = min(context or model.context_length, room)
+        self._ranks = ExitStack()
+        remote = None
+        if hosts or hostfile:
+            if isinstance(model, LoadedModel):
+                raise InvalidParameter("with hosts, every rank loads the target itself: name "
+                                       "it (a path or a model id) instead of passing it loaded")
+            from .distributed.run import Options, engine_ranks
+
+            model, remote = self._ranks.enter_context(engine_ranks(
+                model, dtype, hosts, hostfile, Options(parallel, split_layers, rank_timeout),
+                ring_port, quiet))
         try:
+            if not isinstance(model, LoadedModel):
+                model = load(model, dtype=dtype, quiet=quiet)
+            self.target = model
+            head = load_exit_head(exit_head, model, exit_layer) if mode == "mirror" else None
+            layer = head.layer if head else exit_layer or round(model.num_layers * 5 / 6)
+            settings = DecodeSettings(mode, gamma, MirrorConfig(
+                kappa=kappa, exit_layer=layer, budget=branch_budget,
+                source=branch_source, exit_head=head, separate_units=separate_units))
+            settings.check(model.num_layers)
+            if mode != "ar":
+                # A spec names a draft (draft/select.py); a Drafter is used as it is.
+                if draft is None or isinstance(draft, str):
+                    self.drafter = make_drafter(draft, model, draft_device)
+                elif draft_device not in (None, "auto"):
+                    raise InvalidParameter("draft_device places a draft named by its spec; a "
+                                           "Drafter object runs where it was built")
+                else:
+                    self.drafter = draft
+                if mode == "mirror":
+                    # The exit reads out only the tokens the draft's head knows (split.ExitVocab).
+                    ids = self.drafter.head_ids
+                    if len(ids) < model.vocab_size:
+                        settings.mirror.exit_vocab = split.ExitVocab.of(model.model, ids)
+                if lookup:
+                    self.drafter = LookupDrafter(self.drafter)
+                if self.drafter.context is not None:
+                    # The draft's cache also holds the window and the branches rolled out beside it.
+                    budget = AUTO_BUDGET if branch_budget is None else branch_budget
+                    window = gamma or LONGEST
+                    room = self.drafter.context - (budget + 1) * (2 * window + 2)
+                    context = min(context or model.context_length, room)
             self.session = Session(self.target, context, self.drafter, settings)
+            materialize(self.target.model)
+            self._worker = _take_worker()
+            # Given back once: by close(), or when an engine dropped without close() is collected.
+            self._give_back = weakref.finalize(self, _IDLE_WORKERS.append, self._worker)
+            # Keep the weights resident between turns (where the platform wires memory: see
+            # platform.wired_limit_bytes); close() lets them go.
+            wiring.hold()
+            self._wired = True
+            # Loading converts weights (a GGUF dequantized, a dtype cast) and leaves what it freed
+            # in MLX's buffer cache: ~300 MB with the default model and its draft in float32.
+            mx.clear_cache()
+            if remote is not None:
+                from .distributed.run import want_layers
+
+                want_layers(remote, self)
         except BaseException:
             self._release()
             raise
-        materialize(self.target.model)
-        self._worker = _take_worker()
-        # Given back once: by close(), or when an engine dropped without close() is collected.
-        self._give_back = weakref.finalize(self, _IDLE_WORKERS.append, self._worker)
-        # Keep the weights resident between turns (where the platform wires memory: see
-        # platform.wired_limit_bytes); close() lets them go.
-        wiring.hold()
-        self._wired = True
-        # Loading converts weights (a GGUF dequantized, a dtype cast) and leaves what it freed
-        # in MLX's buffer cache: ~300 MB with the default model and its draft in float32.
-        mx.clear_cache()
 
     @property
     def mode(self) -> str:
@@ -314,6 +340,7 @@ class Engine:
             wired, self._wired = self._wired, False
         if wired:
             wiring.release()
+        self._ranks.close()  # over ranks: stop the others
 
     def __enter__(self) -> Engine:
         return self

@@ -18,6 +18,7 @@ from ..models import split as split_model
 from ..models.load import load
 from . import tensor
 from .check import check_ranks
+from .launch import launched, relaunch
 from .pipeline import Pipeline
 from .plan import layer_counts
 from .protocol import Link
@@ -81,6 +82,33 @@ def pipelined(model: str | None, dtype: str, options: Options, quiet: bool = Fal
     finally:
         if not failed:
             remote.stop()
+
+
+@contextmanager
+def engine_ranks(model: str | None, dtype: str, hosts: str | None, hostfile: str | None,
+                 options: Options, port: int, quiet: bool):
+    """What Engine(hosts=...) runs on: as `pipelined`, in a process that mlx.launch started.
+    Elsewhere, this program starts again on every rank through mlx.launch, as the CLI does,
+    and this process exits with the run's status once rank 0's copy of it has ended."""
+    if not launched():
+        program, argv = this_program()
+        raise SystemExit(relaunch(argv, hosts, hostfile, port, program))
+    with pipelined(model, dtype, options, quiet) as split:
+        yield split
+
+
+def this_program() -> tuple[tuple[str, ...], list[str]]:
+    """How to start this program again (python's arguments before its own), and its own."""
+    spec = getattr(sys.modules["__main__"], "__spec__", None)
+    if spec is not None and spec.name:
+        return ("-m", spec.name.removesuffix(".__main__")), sys.argv[1:]
+    script = sys.argv[0] if sys.argv else ""
+    if not script or not os.path.isfile(script):
+        raise InvalidParameter(
+            "Engine(hosts=...) starts this program again on every rank, which needs a script "
+            "(python app.py) or a module (python -m app); from an interactive session, start "
+            "a script under mlx.launch instead")
+    return (script,), sys.argv[1:]
 
 
 def _follow(model, link: Link, counts: tuple[int, ...]) -> None:
