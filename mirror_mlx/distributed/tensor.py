@@ -14,12 +14,17 @@ Rank 0's last layer dispatches the forward's all-reduces (mx.async_eval) as soon
 decoders have built it, whether or not they read its logits: a prefill reads only the caches,
 which leaves the last layer's own all-reduces out, while the followers run them. The next
 announcement first waits for them, so two forwards' collectives never interleave, from
-whichever thread each runs. A draft never runs the target's layers here (draft/load.py
-refuses a draft made of them), so no collective runs on the draft's thread."""
+whichever thread each runs. The decoders wait for a forward's all-reduces wherever they read
+its outputs, out of the watchdog's sight; so each forward is bounded from its announcement
+until a thread of this module has seen its last layer's output land (or a rank that went
+silent inside a forward would hang rank 0). A draft never runs the target's layers here
+(draft/load.py refuses a draft made of them), so no collective runs on the draft's thread."""
 
 from __future__ import annotations
 
 import math
+import queue
+import threading
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -86,6 +91,9 @@ class Tensor:
         self._open = False  # a forward announced whose last layer was not built yet
         self._driver = None  # the cache (one session's) whose positions the followers hold
         self._stopped = False
+        self._bound: int | None = None  # the watchdog's token for the forward in flight
+        self._landing: queue.Queue = queue.Queue()  # (last layer output, token); None: end
+        threading.Thread(target=self._land, name="mirror-tensor-forwards", daemon=True).start()
         layers = model.model.layers
         last = len(layers) - 1
         layers[0] = Announcing(self, layers[0], first=True, last=last == 0)
@@ -103,11 +111,25 @@ class Tensor:
                             "a request")
         self.link.broadcast(h[:1], "hidden states")
         self._open = True
+        self._bound = self.link.watchdog.arm("running a forward's layers with the other ranks",
+                                             self.link.timeout)
 
     def dispatch(self, out: mx.array) -> None:
         self._open = False
         self._tail = out
         mx.async_eval(out)
+        self._landing.put((out, self._bound))
+
+    def _land(self) -> None:
+        """Lift each forward's bound once its last layer's output has landed (waiting for an
+        array another thread dispatched is safe; the decoders report any failure)."""
+        while (item := self._landing.get()) is not None:
+            out, token = item
+            try:
+                mx.eval(out)
+            except RuntimeError:
+                pass
+            self.link.watchdog.disarm(token)
 
     def _settle(self) -> None:
         """Wait for the last forward's all-reduces: the followers run them all."""
@@ -124,6 +146,7 @@ class Tensor:
             self._stopped = True
             self._settle()
             self.link.broadcast(Header(STOP).array(), "the end of the run")
+            self._landing.put(None)
 
 
 class Announcing(StandIn):

@@ -1,7 +1,7 @@
 """The target split by tensor parallelism (every rank runs every layer with its share of the
 heads and MLP width, mlx-lm's `shard()`), on 3 ranks over loopback: the decoders on rank 0
-give the same tokens as under one process, and a split that does not divide evenly is
-refused before any rank waits for another."""
+give the same tokens as under one process, a split that does not divide evenly is refused
+before any rank waits for another, and a rank that goes silent ends the run at the bound."""
 
 import json
 
@@ -12,6 +12,7 @@ import pytest
 
 from tests.distributed.conftest import run_ranks
 from tests.families.tiny import tiny
+from tests.helpers import write_tiny_gguf
 
 
 def test_auto_shards_where_heads_and_width_divide(target):
@@ -65,3 +66,20 @@ def test_two_ranks_are_refused_with_what_does_not_divide(default_gguf, capfd):
     assert err.count("mirror-mlx: error") == 1, err
     assert "--parallel tensor: its 9 attention heads and 3 key/value heads do not divide by " \
            "2 ranks" in err
+
+
+
+def test_a_silent_rank_ends_the_run_at_the_bound(default_gguf, tmp_path, capfd):
+    """Two tensor ranks (a tiny llama whose 4 heads divide by 2), the follower alive but
+    silent inside a forward: no other rank's bound can end the run, and rank 0 waits for the
+    forward's all-reduces where the decoders read its logits, out of any transfer's bound.
+    The forward's own bound ends the run with one error."""
+    tiny = tmp_path / "tiny.gguf"
+    write_tiny_gguf(tiny, default_gguf)
+    status, out, err = run_ranks(capfd, 2, "--model", str(tiny), "--parallel", "tensor",
+                                 "--modes", "ar", "--hang-after", "3", "--timeout", "10")
+    assert status == 1
+    assert out.strip() == ""
+    assert err.count("mirror-mlx: error") == 1, err
+    assert "no answer within 10 s while running a forward's layers with the other ranks" \
+        in err
