@@ -108,7 +108,7 @@ def main() -> None:
     head = load_exit_head(args.exit_head, target)
     if head is None:
         raise SystemExit("no exit head: name a file with --exit-head")
-    encoder = Engine(target)
+    encoder = Engine(target, mode="ar")
     # The exit read out over the whole vocabulary and, as Mirror-SD does, over the draft's
     # head tokens and the prompt's.
     head_vocab = split.ExitVocab.of(target.model, net.head_ids)

@@ -74,7 +74,7 @@ def main() -> None:
     args = ap.parse_args()
 
     target = load(None)
-    engines = {"ar": Engine(target),
+    engines = {"ar": Engine(target, mode="ar"),
                "sd": Engine(target, mode="sd", draft=args.draft, gamma=args.gamma),
                "sd-network": Engine(target, mode="sd", draft=args.draft, gamma=args.gamma,
                                     lookup=False),

@@ -4,6 +4,7 @@ generation at a time per engine, later calls queued in arrival order."""
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -22,10 +23,11 @@ from .decode.sampling import SamplingParams
 from .decode.schedule import AUTO_BUDGET
 from .decode.stats import GenerationStats
 from .draft.base import Drafter
+from .draft.known import AUTO
 from .draft.load import load_exit_head
 from .draft.lookup import LookupDrafter
 from .draft.select import make_drafter
-from .errors import EngineBusy, EngineClosed, InvalidParameter
+from .errors import EngineBusy, EngineClosed, InvalidParameter, MirrorError
 from .memory import wiring
 from .models import split
 from .models.load import LoadedModel, load, materialize
@@ -189,6 +191,16 @@ def _take_worker() -> _Worker:
         return _Worker()
 
 
+def _drafter(draft: str | Drafter | None, target: LoadedModel, device: str | None) -> Drafter:
+    """A spec names a draft (draft/select.py); a Drafter is used as it is."""
+    if draft is None or isinstance(draft, str):
+        return make_drafter(draft, target, device)
+    if device not in (None, "auto"):
+        raise InvalidParameter("draft_device places a draft named by its spec; a Drafter "
+                               "object runs where it was built")
+    return draft
+
+
 class Engine:
     """A loaded target, and a draft for the speculative modes, with one conversation session.
 
@@ -197,12 +209,16 @@ class Engine:
     `cancel()` stops the running generation from any thread. Several engines may share one
     LoadedModel (e.g. one per mode); each keeps its own session and draft.
 
-    >>> engine = Engine()                      # the default model, target-only
-    >>> engine = Engine(mode="mirror")         # Mirror-SD with the default draft
+    `mode`: "ar" (target only), "sd" or "mirror"; None (the default) is Mirror-SD with the
+    draft `draft` stands for, or target-only decoding where no draft can serve the target (its
+    reason is said once, on stderr and in `mode_note`).
+
+    >>> engine = Engine()                      # the default model, Mirror-SD
+    >>> engine = Engine(mode="ar")             # target-only
     >>> engine.generate("Name three colors.", max_tokens=32).text
     """
 
-    def __init__(self, model: str | LoadedModel | None = None, *, mode: str = "ar",
+    def __init__(self, model: str | LoadedModel | None = None, *, mode: str | None = None,
                  draft: str | Drafter | None = "auto", dtype: str = "auto",
                  context: int | None = None,
                  gamma: int | None = None, kappa: int = 8, exit_layer: int | None = None,
@@ -240,35 +256,19 @@ class Engine:
             if not isinstance(model, LoadedModel):
                 model = load(model, dtype=dtype, quiet=quiet)
             self.target = model
-            head = load_exit_head(exit_head, model, exit_layer) if mode == "mirror" else None
-            layer = head.layer if head else exit_layer or round(model.num_layers * 5 / 6)
-            settings = DecodeSettings(mode, gamma, MirrorConfig(
-                kappa=kappa, exit_layer=layer, budget=branch_budget,
-                source=branch_source, exit_head=head, separate_units=separate_units))
-            settings.check(model.num_layers)
-            if mode != "ar":
-                # A spec names a draft (draft/select.py); a Drafter is used as it is.
-                if draft is None or isinstance(draft, str):
-                    self.drafter = make_drafter(draft, model, draft_device)
-                elif draft_device not in (None, "auto"):
-                    raise InvalidParameter("draft_device places a draft named by its spec; a "
-                                           "Drafter object runs where it was built")
-                else:
-                    self.drafter = draft
-                if mode == "mirror":
-                    # The exit reads out only the tokens the draft's head knows (split.ExitVocab).
-                    ids = self.drafter.head_ids
-                    if len(ids) < model.vocab_size:
-                        settings.mirror.exit_vocab = split.ExitVocab.of(model.model, ids)
-                if lookup:
-                    self.drafter = LookupDrafter(self.drafter)
-                if self.drafter.context is not None:
-                    # The draft's cache also holds the window and the branches rolled out beside it.
-                    budget = AUTO_BUDGET if branch_budget is None else branch_budget
-                    window = gamma or LONGEST
-                    room = self.drafter.context - (budget + 1) * (2 * window + 2)
-                    context = min(context or model.context_length, room)
-            self.session = Session(self.target, context, self.drafter, settings)
+            self.mode_note = ""  # why the default mode runs target-only, if it does
+            if mode is None:
+                mode = "mirror"
+                try:
+                    self.drafter = _drafter(draft, model, draft_device)
+                except MirrorError as e:
+                    if draft not in (None, AUTO) or draft_device not in (None, "auto"):
+                        raise  # a draft the caller named must serve, or say why not
+                    mode, self.mode_note = "ar", f"running target-only (AR): {e}"
+                    if not quiet:
+                        print(self.mode_note, file=sys.stderr, flush=True)
+            self._make_session(mode, draft, draft_device, context, gamma, kappa, exit_layer,
+                         exit_head, branch_budget, branch_source, lookup, separate_units)
             materialize(self.target.model)
             self._worker = _take_worker()
             # Given back once: by close(), or when an engine dropped without close() is collected.
@@ -287,6 +287,34 @@ class Engine:
         except BaseException:
             self._release()
             raise
+
+    def _make_session(self, mode, draft, draft_device, context, gamma, kappa, exit_layer, exit_head,
+                branch_budget, branch_source, lookup, separate_units) -> None:
+        """The decoding settings, the draft (unless made already) and the session."""
+        model = self.target
+        head = load_exit_head(exit_head, model, exit_layer) if mode == "mirror" else None
+        layer = head.layer if head else exit_layer or round(model.num_layers * 5 / 6)
+        settings = DecodeSettings(mode, gamma, MirrorConfig(
+            kappa=kappa, exit_layer=layer, budget=branch_budget,
+            source=branch_source, exit_head=head, separate_units=separate_units))
+        settings.check(model.num_layers)
+        if mode != "ar":
+            if self.drafter is None:
+                self.drafter = _drafter(draft, model, draft_device)
+            if mode == "mirror":
+                # The exit reads out only the tokens the draft's head knows (split.ExitVocab).
+                ids = self.drafter.head_ids
+                if len(ids) < model.vocab_size:
+                    settings.mirror.exit_vocab = split.ExitVocab.of(model.model, ids)
+            if lookup:
+                self.drafter = LookupDrafter(self.drafter)
+            if self.drafter.context is not None:
+                # The draft's cache also holds the window and the branches rolled out beside it.
+                budget = AUTO_BUDGET if branch_budget is None else branch_budget
+                window = gamma or LONGEST
+                room = self.drafter.context - (budget + 1) * (2 * window + 2)
+                context = min(context or model.context_length, room)
+        self.session = Session(self.target, context, self.drafter, settings)
 
     @property
     def mode(self) -> str:

@@ -34,8 +34,10 @@ DRAFT_HELP = ("draft for sd and mirror: 'auto' (default: the shipped draft for t
 
 
 def _decoding_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mode", default="ar", choices=("ar", "sd", "mirror"),
-                   help="ar: target only; sd: vanilla speculative; mirror: Mirror-SD")
+    p.add_argument("--mode", default=None, choices=("ar", "sd", "mirror"),
+                   help="ar: target only; sd: vanilla speculative; mirror: Mirror-SD (the "
+                        "default, which runs target-only where no draft can serve the target, "
+                        "and says why)")
     p.add_argument("--draft", default="auto", help=DRAFT_HELP)
     p.add_argument("--gamma", type=_auto_or_int, default=None, metavar="auto|N",
                    help="drafted tokens per step: auto (default) drafts while the draft's "

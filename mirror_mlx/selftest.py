@@ -110,7 +110,7 @@ class Selftest:
 
     def target_only(self) -> str:
         self.target = load(None, quiet=True)
-        engine = Engine(self.target)
+        engine = Engine(self.target, mode="ar")
         self.prompt_ids = [engine.encode(p) for p in PROMPTS]
         results = [engine.generate(p, max_tokens=MAX_TOKENS) for p in self.prompt_ids]
         self.expected = [r.token_ids for r in results]
@@ -244,7 +244,7 @@ class Selftest:
             raise Skip(choice.note)
         if self.target is None:
             raise Skip("the target did not load")
-        engine = Engine(self.target)
+        engine = Engine(self.target, mode="ar")
         try:
             def work():
                 end, tokens = time.perf_counter() + ENERGY_S, 0

@@ -32,7 +32,7 @@ def hold(engine: Engine) -> tuple[threading.Thread, dict]:
 
 
 def test_chat_messages_in_and_out(target):
-    engine = Engine(target)
+    engine = Engine(target, mode="ar")
     messages = [{"role": "system", "content": "You are terse."},
                 {"role": "user", "content": "Name a color."}]
     first = engine.chat(messages, max_tokens=12)
@@ -52,7 +52,7 @@ def test_chat_messages_in_and_out(target):
 
 
 def test_cancel_from_another_thread_and_one_generation_at_a_time(target):
-    engine = Engine(target)
+    engine = Engine(target, mode="ar")
     thread, out = hold(engine)
     with pytest.raises(EngineBusy):
         engine.generate("Hi.", max_tokens=4, wait=0)
@@ -90,7 +90,7 @@ def test_cancel_from_another_thread_and_one_generation_at_a_time(target):
     for t in queued:
         t.join(timeout=60)
     assert [n for n, _ in order] == ["first", "second", "third"]
-    fresh = Engine(target)
+    fresh = Engine(target, mode="ar")
     assert order[2][1] == fresh.generate("Say third.", max_tokens=6).token_ids
     assert not engine.busy and engine.waiting == 0
 
@@ -133,9 +133,9 @@ def test_callers_on_fresh_threads_leave_no_thread_behind(target, mode):
     # Engine after engine (closed, or dropped) reuse the worker the first one started. (Not
     # the draft's: a speculative engine's draft worker leaves its MLX thread when it closes.)
     for _ in range(3):
-        with Engine(target) as engine:
+        with Engine(target, mode="ar") as engine:
             on_a_fresh_thread(1)
-        Engine(target).generate("Hi.", max_tokens=2)
+        Engine(target, mode="ar").generate("Hi.", max_tokens=2)
     assert settled_at_most(before)
 
 
@@ -153,7 +153,7 @@ def test_close_stops_the_draft_worker_and_later_calls_fail(target):
     engine.close()  # idempotent
     with pytest.raises(EngineClosed):
         engine.generate("Hi.", max_tokens=4)
-    with Engine(target) as scoped:
+    with Engine(target, mode="ar") as scoped:
         scoped.generate("Hi.", max_tokens=2)
     with pytest.raises(EngineClosed):
         scoped.stream("Hi.")
@@ -162,7 +162,7 @@ def test_close_stops_the_draft_worker_and_later_calls_fail(target):
 def test_engines_share_a_target_without_sharing_state(target):
     """A mode switch is a new Engine on the same loaded target; greedy SD gives the target's
     own tokens (lossless); each engine keeps its own conversation cache."""
-    ar, sd = Engine(target), Engine(target, mode="sd")
+    ar, sd = Engine(target, mode="ar"), Engine(target, mode="sd")
     with sd:
         prompt = [{"role": "user", "content": "Name three birds."}]
         a = ar.generate(prompt, max_tokens=6)
@@ -184,4 +184,4 @@ def readme_example() -> str:
 def test_readme_example_runs(default_gguf, capsys):
     exec(compile(readme_example(), "README.md", "exec"), {})
     out = capsys.readouterr().out
-    assert "cancelled | mode ar" in out and "tok/s" in out, out
+    assert "cancelled | mode mirror" in out and "tok/s" in out, out

@@ -70,7 +70,7 @@ def test_old_kv_copy_cleared_when_the_kv_cache_grows(target, metal_cache, monkey
     here) reaches the buffer cache once the step that grew it is computed, and is cleared
     then, not CLEAR_EVERY tokens later."""
     monkeypatch.setattr(memory, "CLEAR_EVERY", 10**9)  # only the growth clears
-    with Engine(target) as engine:
+    with Engine(target, mode="ar") as engine:
         ids = engine.encode("The river runs. " * 100, chat_template=False)[:250]
         kv, cached = [], []
         for _ in engine.stream(ids, max_tokens=12):
@@ -85,7 +85,7 @@ def test_old_kv_copy_cleared_when_the_kv_cache_grows(target, metal_cache, monkey
 
 def test_engines_hold_the_wired_limit_until_the_last_closes(target):
     before = memory.wiring.holders
-    first, second = Engine(target), Engine(target)
+    first, second = Engine(target, mode="ar"), Engine(target, mode="ar")
     assert memory.wiring.holders == before + 2
     first.close()
     first.close()  # idempotent: releases once
@@ -102,7 +102,7 @@ def test_wired_limit_raised_while_open_and_restored_on_close(target):
         return now
 
     old = wired_limit()
-    with Engine(target):
+    with Engine(target, mode="ar"):
         assert wired_limit() == WIRED
     assert wired_limit() == old
 

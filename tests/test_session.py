@@ -14,13 +14,13 @@ import pytest
 
 @pytest.fixture()
 def engine(target):
-    return Engine(target)
+    return Engine(target, mode="ar")
 
 
 def test_multi_turn_cache_reuse_equals_prefill_from_scratch(target):
     turns = ["Give me a fun fact about octopuses.", "Now one about owls.",
              "Which of the two animals is smarter?"]
-    reused = Engine(target)
+    reused = Engine(target, mode="ar")
     messages, replies_reused, cached = [], [], []
     for turn in turns:
         messages.append({"role": "user", "content": turn})
@@ -33,7 +33,7 @@ def test_multi_turn_cache_reuse_equals_prefill_from_scratch(target):
     messages = []
     for turn, expected in zip(turns, replies_reused):
         messages.append({"role": "user", "content": turn})
-        fresh = Engine(target)  # a new, empty cache: the whole conversation is prefilled
+        fresh = Engine(target, mode="ar")  # a new, empty cache: the whole conversation is prefilled
         result = fresh.generate(messages, max_tokens=24)
         assert result.stats.cached_prompt_tokens == 0
         assert result.token_ids == expected
@@ -78,10 +78,10 @@ def test_stop_string_split_across_tokens(target):
 
 
 def test_max_tokens_and_context_end(target):
-    e = Engine(target)
+    e = Engine(target, mode="ar")
     r = e.generate("Tell me a long story about a dragon.", max_tokens=5)
     assert r.stats.finish_reason == "length" and len(r.token_ids) == 5
-    small = Engine(target, context=48)
+    small = Engine(target, context=48, mode="ar")
     ids = small.encode("Tell me a long story about a dragon.")
     r = small.generate(ids, max_tokens=200)
     assert r.stats.finish_reason == "context"
@@ -101,7 +101,8 @@ def test_cancel_stops_and_session_goes_on(engine):
             assert chunk.stats.finish_reason == "cancelled"
     assert 3 <= len(got) < 10
     after = engine.generate("Say hi.", max_tokens=8)
-    assert after.token_ids == Engine(engine.target).generate("Say hi.", max_tokens=8).token_ids
+    alone = Engine(engine.target, mode="ar").generate("Say hi.", max_tokens=8)
+    assert after.token_ids == alone.token_ids
 
 
 def test_seeded_sampling_is_reproducible_and_differs_across_seeds(engine):

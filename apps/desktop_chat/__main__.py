@@ -20,7 +20,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default=None, help="target spec (default: the default model)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--context", type=int, default=None, help="KV cache length in tokens")
-    p.add_argument("--mode", default="ar", choices=tuple(MODES), help="the starting mode")
+    p.add_argument("--mode", default=None, choices=tuple(MODES),
+                   help="the starting mode (default: Mirror-SD, or AR where no draft can serve "
+                        "the target)")
     p.add_argument("--draft", default=None, help="draft spec for SD and Mirror-SD")
     p.add_argument("--max-tokens", type=int, default=512)
     p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 is greedy")

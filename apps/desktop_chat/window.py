@@ -26,7 +26,7 @@ POLL_MS = 30
 
 
 class ChatWindow:
-    def __init__(self, root: tk.Tk, target: LoadedModel, *, mode: str = "ar",
+    def __init__(self, root: tk.Tk, target: LoadedModel, *, mode: str | None = None,
                  max_tokens: int = 512, sampling: SamplingParams | None = None,
                  system: str | None = None, **engine_options):
         """`engine_options`: the Engine's keyword arguments (draft, context, gamma, ...)."""
@@ -43,7 +43,7 @@ class ChatWindow:
         self.last_stats: GenerationStats | None = None
         self._closed = False
         self._live = (0.0, 0, 0)  # first token time, tokens, steps (chunks with tokens)
-        self._build(mode)
+        self._build(self.engine.mode)
         self.worker = threading.Thread(target=self._work, name="chat-worker", daemon=True)
         self.worker.start()
         root.protocol("WM_DELETE_WINDOW", self.close)

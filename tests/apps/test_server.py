@@ -46,7 +46,7 @@ def serving(engine: Engine, **options):
 
 @pytest.fixture(scope="module")
 def engine(target):
-    with Engine(target, context=CONTEXT) as engine:
+    with Engine(target, context=CONTEXT, mode="ar") as engine:
         yield engine
 
 
@@ -93,7 +93,7 @@ def test_models(client, server):
 
 
 def test_chat_equals_engine_streaming_and_not(client, server, target):
-    expected = Engine(target).generate(CHAT, max_tokens=16)
+    expected = Engine(target, mode="ar").generate(CHAT, max_tokens=16)
     reply = client.chat.completions.create(model=server.model_id, messages=CHAT, max_tokens=16,
                                            temperature=0)
     assert reply.choices[0].message.content == expected.text
@@ -120,7 +120,7 @@ def test_chat_equals_engine_streaming_and_not(client, server, target):
 
 def test_completions_equal_engine(client, server, target):
     prompt = "The three primary colors are"
-    expected = Engine(target).generate(prompt, max_tokens=6, chat_template=False)
+    expected = Engine(target, mode="ar").generate(prompt, max_tokens=6, chat_template=False)
     whole = client.completions.create(model=server.model_id, prompt=prompt, max_tokens=6,
                                       temperature=0)
     assert whole.choices[0].text == expected.text and whole.choices[0].finish_reason == "length"
@@ -136,7 +136,7 @@ def test_completions_equal_engine(client, server, target):
 
 def test_mirror_server_is_lossless(target):
     """Greedy Mirror-SD through HTTP gives exactly the target-only Engine's tokens."""
-    expected = Engine(target).generate(CHAT, max_tokens=8)
+    expected = Engine(target, mode="ar").generate(CHAT, max_tokens=8)
     with Engine(target, mode="mirror") as engine:
         server = start(engine)
         try:
@@ -546,7 +546,7 @@ def test_concurrent_clients_are_queued(server, target, caplog):
         t.start()
     for t in threads:
         t.join(timeout=120)
-    engine = Engine(target)
+    engine = Engine(target, mode="ar")
     for p in prompts:
         assert results[p] == engine.generate(p, max_tokens=4).text, p
     assert len(finished(caplog)) == len(prompts)

@@ -39,7 +39,7 @@ def tied(target, best: int, runner_up: int):
 
 @pytest.fixture(scope="module")
 def reply(target):
-    engine = Engine(target)
+    engine = Engine(target, mode="ar")
     prompt = engine.encode(PROMPTS[0])
     ids = engine.generate(prompt, max_tokens=MAX_TOKENS).token_ids
     engine.close()
@@ -61,7 +61,7 @@ def test_identical_runs_are_identical(target, reply):
 def test_a_difference_at_an_exact_tie_is_a_tie(target, reply):
     prompt, ids, (best, second, third) = reply
     with tied(target, best, second):
-        engine = Engine(target)
+        engine = Engine(target, mode="ar")
         reference = engine.generate(prompt, max_tokens=MAX_TOKENS).token_ids
         engine.close()
         # Both tokens now have the same logit and input row: the path is the same, with the
@@ -133,7 +133,7 @@ def test_the_bench_counts_ties_and_mismatches(target, reply, tmp_path):
     verdict, in bench.json and bench.md; a later turn after a differing reply is not compared."""
     prompt, ids, (best, second, third) = reply
     with tied(target, best, second):
-        engine = Engine(target)
+        engine = Engine(target, mode="ar")
         reference = engine.generate(prompt, max_tokens=MAX_TOKENS).token_ids
         engine.close()
         at = next(i for i, t in enumerate(reference) if t in (best, second))

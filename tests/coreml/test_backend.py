@@ -46,7 +46,7 @@ def reference_drafter(net, context=512, max_branch_tokens=8) -> CoreMLDrafter:
 
 @pytest.fixture(scope="module")
 def reference_tokens(target):
-    engine = Engine(target)
+    engine = Engine(target, mode="ar")
     return [(engine.encode(p), engine.generate(p, max_tokens=MAX_TOKENS).token_ids)
             for p in PROMPTS[:2]]
 

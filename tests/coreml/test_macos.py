@@ -60,7 +60,7 @@ def test_mirror_with_draft_on_neural_engine(target, small_draft_folder, package,
                  max_branch_tokens=8, quiet=True)
     drafter = make_drafter(str(out), target)
     assert isinstance(drafter, CoreMLDrafter)
-    engine = Engine(target)
+    engine = Engine(target, mode="ar")
     session = Session(target, None, drafter,
                       DecodeSettings("mirror", 5, MirrorConfig(kappa=8, exit_layer=25, budget=4)))
     outcomes = Counter()

@@ -16,7 +16,7 @@ EXACT = dict(draft="self:30", gamma=6)
 
 @pytest.mark.parametrize("mode", ["sd", "mirror"])
 def test_eos_and_stop_string_inside_accepted_window(target, mode):
-    ar = Engine(target)
+    ar = Engine(target, mode="ar")
     prompt = "Reply with just the word 'yes'."
     expected = ar.generate(prompt, max_tokens=40)
     assert expected.stats.finish_reason == "stop"  # EOS within the window
@@ -37,13 +37,13 @@ def test_max_tokens_and_context_end_mid_window(target, mode):
     with Engine(target, mode=mode, **EXACT) as engine:
         r = engine.generate(prompt, max_tokens=7)
         assert len(r.token_ids) == 7 and r.stats.finish_reason == "length"
-        assert r.token_ids == Engine(target).generate(prompt, max_tokens=7).token_ids
-    ids = Engine(target).encode(prompt)
+        assert r.token_ids == Engine(target, mode="ar").generate(prompt, max_tokens=7).token_ids
+    ids = Engine(target, mode="ar").encode(prompt)
     context = len(ids) + 9  # room for 9 tokens: not a multiple of the window
     with Engine(target, mode=mode, context=context, **EXACT) as engine:
         r = engine.generate(prompt, max_tokens=100)
         assert r.stats.finish_reason == "context" and len(r.token_ids) == 9
-        ref = Engine(target, context=context).generate(prompt, max_tokens=100)
+        ref = Engine(target, context=context, mode="ar").generate(prompt, max_tokens=100)
         assert r.token_ids == ref.token_ids
 
 
@@ -76,7 +76,7 @@ def test_a_draft_that_fails_mid_generation_leaves_the_target_to_finish(target):
     """The draft's 5th forward raises: the generation goes on as target-only decoding from the
     last committed token (greedy output unchanged), says why, and the next generation drafts
     again (the draft forgot its cache)."""
-    expected = Engine(target).generate("Hello there!", max_tokens=16).token_ids
+    expected = Engine(target, mode="ar").generate("Hello there!", max_tokens=16).token_ids
     # Without lookup, so that every step asks the draft network; a fixed window, so that
     # every step drafts (with --gamma auto, measured seconds decide how many tokens a step
     # drafts and whether it drafts at all, and `draft_tokens` below could be 0 on a machine
@@ -101,7 +101,7 @@ def test_a_draft_that_hangs_is_given_up_after_a_bounded_wait(target, monkeypatch
     from mirror_mlx.decode import speculative
 
     monkeypatch.setattr(speculative, "DRAFT_WAIT_S", 2.0)
-    expected = Engine(target).generate("Hello there!", max_tokens=12).token_ids
+    expected = Engine(target, mode="ar").generate("Hello there!", max_tokens=12).token_ids
     release = threading.Event()
     with Engine(target, mode="sd", draft="self:2", lookup=False) as engine:
         on_draft_forward(engine, 4, lambda: release.wait(60))

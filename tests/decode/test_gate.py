@@ -94,7 +94,7 @@ def test_a_draft_that_never_pays_costs_few_forwards_and_changes_nothing(target):
     net.embed_tokens = target.model.model.embed_tokens
     mx.eval(net.parameters())  # made here, computed on the draft's own thread
     settings = dict(max_tokens=48, sampling=SamplingParams())
-    reference = Engine(target).generate(PROMPTS[0], **settings).token_ids
+    reference = Engine(target, mode="ar").generate(PROMPTS[0], **settings).token_ids
     with Engine(target, mode="sd", draft=MLXDrafter(net), lookup=False) as engine:
         asked = []
         submit = engine.drafter.submit

@@ -30,7 +30,7 @@ CONFIGS = [
 
 @pytest.fixture(scope="module")
 def reference(target):
-    engine = Engine(target)
+    engine = Engine(target, mode="ar")
     return {p: engine.generate(p, max_tokens=MAX_TOKENS).token_ids for p in PROMPTS[:8]}
 
 

@@ -25,7 +25,7 @@ def outcomes(engine) -> Counter:
 
 @pytest.fixture(scope="module")
 def reference(target):
-    engine = Engine(target)
+    engine = Engine(target, mode="ar")
     return {p: engine.generate(p, max_tokens=32).token_ids for p in PROMPTS[:3]}
 
 
@@ -60,7 +60,7 @@ def test_caches_consistent_across_turns(target):
             assert session.cache[0].offset == len(session.tokens)
             ids = engine.encode(messages)
             assert session.tokens == (ids + result.token_ids)[: len(session.tokens)]
-            fresh = Engine(target).generate(messages, max_tokens=20)
+            fresh = Engine(target, mode="ar").generate(messages, max_tokens=20)
             assert result.token_ids == fresh.token_ids
             messages.append({"role": "assistant", "content": result.text})
 

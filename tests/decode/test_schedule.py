@@ -157,7 +157,7 @@ def test_a_host_that_shares_compute_starts_serial_and_measures_the_early_rollout
 
 def test_no_plan_changes_the_output(target):
     """Every plan, switched step by step, gives the target's own greedy tokens."""
-    reference = Engine(target)
+    reference = Engine(target, mode="ar")
     with Engine(target, mode="mirror") as engine:
         scheduler = engine.session.scheduler
         order = itertools.cycle([0, 3, 1, 2, 4, 2, 0, 1])

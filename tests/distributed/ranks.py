@@ -21,7 +21,8 @@ from mirror_mlx.errors import InvalidParameter, MirrorError
 
 def interleave(target, prompt: str) -> str:
     """What continuing a session whose cache the stages no longer hold says."""
-    with Engine(target, quiet=True) as first, Engine(target, quiet=True) as second:
+    with Engine(target, quiet=True, mode="ar") as first, \
+            Engine(target, quiet=True, mode="ar") as second:
         first.generate(prompt, max_tokens=2)
         second.generate(prompt, max_tokens=2)
         try:

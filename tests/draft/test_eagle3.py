@@ -291,7 +291,7 @@ def test_sd_and_mirror_sd_with_a_head_are_lossless(name, small, tmp_path):
     """Greedy SD and Mirror-SD equal the target alone, with the fused layers below the exit
     (the branches read the exit's states) and above it (they read the head's own)."""
     write_head(tmp_path / name, VARIANTS[name], seed=1)
-    reference = Engine(small).generate(PROMPT, max_tokens=12).token_ids
+    reference = Engine(small, mode="ar").generate(PROMPT, max_tokens=12).token_ids
     for mode in (dict(mode="sd", gamma=3),
                  dict(mode="mirror", gamma=3, kappa=4, branch_budget=2, exit_layer=6),
                  dict(mode="mirror", gamma=3, kappa=4, branch_budget=2, exit_layer=3)):
@@ -307,7 +307,7 @@ def test_a_head_for_the_default_target_is_lossless(target, tmp_path):
     write_head(tmp_path / "head", dict(layout="eagle", width=target.model.args.hidden_size))
     assert load_draft(str(tmp_path / "head"), target).config.feature_layers == [2, 15, 27]
     prompt = target.tokenizer.encode("The capital of France is")
-    reference = Engine(target).generate(prompt, max_tokens=12).token_ids
+    reference = Engine(target, mode="ar").generate(prompt, max_tokens=12).token_ids
     for mode in (dict(mode="sd", gamma=3), dict(mode="mirror", gamma=3, kappa=4)):
         with Engine(target, draft=str(tmp_path / "head"), lookup=False, **mode) as engine:
             assert engine.generate(prompt, max_tokens=12).token_ids == reference, mode

@@ -51,7 +51,7 @@ def test_family_decoders_agree(family, tokenizer, tmp_path):
     accepted); and as draft: a separate two-layer model of the family read from an mlx-lm
     folder, as a user gives it."""
     target = loaded(tiny(family), tokenizer, family)
-    reference = Engine(target).generate(PROMPT, max_tokens=MAX_TOKENS).token_ids
+    reference = Engine(target, mode="ar").generate(PROMPT, max_tokens=MAX_TOKENS).token_ids
     assert len(reference) == MAX_TOKENS
     folder = save(tiny(family, layers=2, seed=1), family, tmp_path / "draft", tokenizer)
     for draft, mode in (("self:2", SD), ("self:4", MIRROR), (str(folder), MIRROR)):
@@ -102,7 +102,7 @@ def test_gemma3_target_from_a_folder(tokenizer, tmp_path):
     model = gemma3.Model(gemma3.ModelArgs.from_dict(settings))
     model.language_model = tiny("gemma3_text")
     folder = save(model, "gemma3", tmp_path / "gemma3", tokenizer, settings)
-    reference = Engine(str(folder)).generate(PROMPT, max_tokens=MAX_TOKENS).token_ids
+    reference = Engine(str(folder), mode="ar").generate(PROMPT, max_tokens=MAX_TOKENS).token_ids
     with Engine(str(folder), mode="mirror", draft="self:2", exit_layer=2) as engine:
         assert engine.generate(PROMPT, max_tokens=MAX_TOKENS).token_ids == reference
 
@@ -123,15 +123,22 @@ def test_core_ml_export_takes_the_families_and_names_what_it_cannot(tokenizer):
         package_spec(net, context=256, max_branch_tokens=8)
 
 
-def test_unknown_family_runs_alone_and_is_refused_by_name(tokenizer):
-    """olmo2: AR runs the model as it is; Mirror-SD and drafts name the model type."""
+def test_unknown_family_runs_alone_and_is_refused_by_name(tokenizer, capsys):
+    """olmo2: AR runs the model as it is; Mirror-SD and drafts name the model type. The
+    default mode, finding no draft that serves it, runs AR and says why once."""
     from mlx_lm.models import olmo2
 
     args = olmo2.ModelArgs(model_type="olmo2", hidden_size=64, num_hidden_layers=2,
                            intermediate_size=128, num_attention_heads=4, rms_norm_eps=1e-5,
                            vocab_size=49152, max_position_embeddings=256)
     target = loaded(olmo2.Model(args), tokenizer, "olmo2")
-    assert len(Engine(target).generate(PROMPT, max_tokens=4).token_ids) == 4
+    assert len(Engine(target, mode="ar").generate(PROMPT, max_tokens=4).token_ids) == 4
+    capsys.readouterr()
+    with Engine(target) as engine:
+        assert engine.mode == "ar" and "'olmo2'" in engine.mode_note
+        assert len(engine.generate(PROMPT, max_tokens=4).token_ids) == 4
+        engine.generate(PROMPT, max_tokens=2)
+    assert capsys.readouterr().err.count("running target-only (AR)") == 1
     with pytest.raises(ModelLoadError, match="'olmo2'"):
         Engine(target, mode="mirror", draft="self:1")
     with pytest.raises(ModelLoadError, match="'olmo2'"):

@@ -66,7 +66,7 @@ def test_ar_and_sd_agree_past_the_window(gemma, tmp_path):
     both read the sliding window right while the cache is trimmed after rejections."""
     draft = init_draft(gemma, 1, list(range(256, len(GEMMA_TOKENS))))
     draft.save(tmp_path / "draft")
-    ar = Engine(gemma).generate(IDS, max_tokens=24)
+    ar = Engine(gemma, mode="ar").generate(IDS, max_tokens=24)
     with Engine(gemma, mode="sd", draft=str(tmp_path / "draft"), gamma=3) as engine:
         sd = engine.generate(IDS, max_tokens=24)
     assert sd.token_ids == ar.token_ids and len(ar.token_ids) > 8
@@ -74,12 +74,12 @@ def test_ar_and_sd_agree_past_the_window(gemma, tmp_path):
 
 
 def test_completion_model_has_no_chat(gemma):
-    engine = Engine(gemma)
+    engine = Engine(gemma, mode="ar")
     assert engine.encode("the cat") == gemma.tokenizer.encode("the cat")
     with pytest.raises(InvalidParameter, match="no chat template"):
         engine.encode([{"role": "user", "content": "hi"}])
     # No shipped draft: the target's own first layers draft, and the GGUF target splits.
-    ar = Engine(gemma).generate(IDS, max_tokens=16).token_ids
+    ar = Engine(gemma, mode="ar").generate(IDS, max_tokens=16).token_ids
     with Engine(gemma, mode="mirror", exit_layer=4) as mirror:
         assert mirror.generate(IDS, max_tokens=16).token_ids == ar
 

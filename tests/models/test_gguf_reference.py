@@ -90,7 +90,7 @@ def test_chat_template_renders_as_transformers(default_gguf, hf_tokenizer):
     "List three prime numbers greater than 100.",
 ])
 def test_greedy_ids_equal_mlx_lm_generation(target, prompt):
-    engine = Engine(target)
+    engine = Engine(target, mode="ar")
     ids = engine.encode(prompt)
     ours = engine.generate(ids, max_tokens=24).token_ids
     theirs = []

@@ -22,7 +22,7 @@ QUESTIONS = ["Name two oceans.", "What is 2 + 3?", "Say hello in French.",
 def replies(target, tmp_path_factory):
     """Prompts in the chat template; greedy replies by the project's own decoding (8 tokens),
     and one made-up reply standing in for a sampled one."""
-    with Engine(target) as engine:
+    with Engine(target, mode="ar") as engine:
         prompts = [engine.encode(q) for q in QUESTIONS]
         greedy = [(i, engine.generate(p, max_tokens=8).token_ids) for i, p in enumerate(prompts)]
     made_up = target.tokenizer.encode("Rivers, mostly.", add_special_tokens=False)
