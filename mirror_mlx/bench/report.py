@@ -123,7 +123,28 @@ def summarize(result: BenchResult) -> dict:
             "per_category": per_category, "per_prompt": prompts,
             "greedy_agreement": greedy_agreement(result), "energy": energy_summary(result),
             "units": result.units, "schedule": schedule_summary(result),
-            "draft_lengths": length_summary(result)}
+            "draft_lengths": length_summary(result), "ranks": ranks_summary(result)}
+
+
+def ranks_summary(result: BenchResult) -> dict:
+    """Across ranks, per mode: the transfers' time per step (a probe's at start), per token
+    and as a share of decoding: speculation commits several tokens per transfer."""
+    out: dict = {}
+    for r in result.runs:
+        st = r.stats
+        if st.ranks < 2:
+            continue
+        m = out.setdefault(r.mode, {"ranks": st.ranks, "parallel": st.parallel,
+                                    "split": st.split, "comm_ms_per_step": 1e3 * st.comm_s,
+                                    "steps": 0, "tokens": 0, "decode_s": 0.0})
+        m["steps"] += st.target_steps
+        m["tokens"] += st.committed_tokens
+        m["decode_s"] += st.decode_s
+    for m in out.values():
+        comm = m["comm_ms_per_step"] * m["steps"]
+        m["comm_ms_per_token"] = comm / max(m["tokens"], 1)
+        m["comm_share"] = comm / 1e3 / m["decode_s"] if m["decode_s"] else 0.0
+    return out
 
 
 def length_summary(result: BenchResult) -> dict:
@@ -301,6 +322,21 @@ def markdown(doc: dict, plots: dict[str, str]) -> str:
             mean = sum(n * c for n, c in counts.items()) / max(total, 1)
             lines.append(f"- {LABELS[mode]}: mean {mean:.2f}; " + ", ".join(
                 f"{n}: {c}" for n, c in counts.items()))
+    if s.get("ranks"):
+        first = next(iter(s["ranks"].values()))
+        lines += ["", "## Across ranks", "",
+                  f"The target on {first['ranks']} ranks ({first['parallel']}"
+                  + (f", layers {'/'.join(map(str, first['split']))}" if first["split"] else "")
+                  + "). Transfers: a one-token forward's, timed at start (the ring's round "
+                  "trip, or its all-reduces), times the decoding steps; the share is of "
+                  "decoding time.",
+                  "",
+                  "| Mode | transfers ms/step | steps/token | transfers ms/token | share of "
+                  "time |", "|---|---:|---:|---:|---:|"]
+        for mode, r in s["ranks"].items():
+            lines.append(f"| {LABELS[mode]} | {r['comm_ms_per_step']:.2f} | "
+                         f"{r['steps'] / max(r['tokens'], 1):.2f} | "
+                         f"{r['comm_ms_per_token']:.2f} | {r['comm_share']:.1%} |")
     e = s["energy"]
     lines += ["", "## Energy", "", f"Meter: {e['backend']} — {e['note']}.", ""]
     if "idle" in e:

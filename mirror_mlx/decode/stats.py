@@ -36,6 +36,7 @@ class GenerationStats:
     ranks: int = 1  # processes that ran the target
     split: list[int] = field(default_factory=list)  # its layers per rank, rank 0 first
     parallel: str = ""  # how it was split over them: "tensor" or "pipeline" ("" in one)
+    comm_s: float = 0.0  # seconds each target step spent in transfers between ranks (a probe's)
 
     @property
     def prompt_tokens_per_second(self) -> float:
@@ -107,7 +108,8 @@ class GenerationStats:
             parts.append(f"steps by plan: {steps}")
             parts.append(f"schedule {self.schedule}")
         if self.parallel:
-            parts.append(f"{self.ranks} ranks ({self.parallel})")
+            parts.append(f"{self.ranks} ranks ({self.parallel}, transfers ~{self.comm_s * 1e3:.1f} "
+                         f"ms a step)")
         parts.append(f"peak {self.peak_memory_gb:.2f} GB")
         parts.append(f"finish {self.finish_reason}")
         return " | ".join(parts)

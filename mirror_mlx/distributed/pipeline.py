@@ -8,6 +8,8 @@ the trims the decoders make reach the stages with the next window, as its `offse
 
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Iterable
 from types import SimpleNamespace
 
@@ -15,7 +17,9 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from ..errors import InvalidParameter
-from .protocol import DTYPES, FORWARD, STOP, Header, Link
+from .protocol import DTYPES, FORWARD, PROBE, STOP, Header, Link
+
+PROBES = 20  # round trips timed at start (communication per forward, for the stats)
 
 
 class Pipeline:
@@ -60,6 +64,21 @@ class Pipeline:
         outputs = {i: back[j + 1 : j + 2] for j, i in enumerate(self.keep)}
         outputs[self.end - 1] = back[:1]
         return outputs
+
+    def probe(self, dtype, rounds: int = PROBES) -> float:
+        """Seconds a one-token forward spends in transfers: its request and hidden states
+        once around the ring, through no layer (the median of `rounds`)."""
+        header = Header(PROBE, 1, 0, DTYPES.index(dtype)).array()
+        x = mx.zeros((1, 1, self.hidden), dtype)
+        last = self.link.group.size() - 1
+        times = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            self.link.send(header, 1, "a probe")
+            self.link.send(x, 1, "a probe's hidden states")
+            self.link.recv(x.shape, dtype, last, "a probe's hidden states")
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
 
     def stop(self) -> None:
         """Tell the stages the run is over (once)."""

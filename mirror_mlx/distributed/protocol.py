@@ -19,7 +19,7 @@ from .watchdog import Watchdog
 
 HEADER = 16
 MAX_KEEP = HEADER - 5
-FORWARD, STOP = 1, 2
+FORWARD, STOP, PROBE = 1, 2, 3
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
 
@@ -31,7 +31,9 @@ class Header:
     costs what one of the forward's 2 all-reduces per layer costs), to be appended after the
     first `offset` positions of each rank's cache (a rank trims what rank 0 has trimmed
     since: rejected drafts). `keep`: the layers whose outputs travel back too (the
-    draft's features, Mirror-SD's early exit), in order. STOP: the run is over."""
+    draft's features, Mirror-SD's early exit), in order. STOP: the run is over. PROBE: the
+    hidden states of a one-token window travel as a forward's would, through no layer (what
+    a forward's communication costs, measured at start)."""
 
     op: int
     length: int = 0

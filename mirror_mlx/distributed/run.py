@@ -73,9 +73,11 @@ def pipelined(model: str | None, dtype: str, options: Options, quiet: bool = Fal
         _follow(target.model, link, counts)
     remote = tensor.Tensor(target.model, link) if parallel == "tensor" else \
         Pipeline(target.model, link, counts)
+    # The hidden states' dtype: what the embedding gives (its weights may be quantized).
+    comm = remote.probe(target.model.model.embed_tokens(mx.array([[0]])).dtype)
     failed = False
     try:
-        yield replace(target, split=counts, ranks=size, parallel=parallel), remote
+        yield replace(target, split=counts, ranks=size, parallel=parallel, comm_s=comm), remote
     except DistributedError:
         failed = True  # the ring is broken: nothing more can be sent
         raise

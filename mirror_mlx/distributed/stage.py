@@ -10,7 +10,7 @@ import mlx.nn as nn
 from ..models import split
 from .pipeline import StandIn
 from .plan import layer_range
-from .protocol import DTYPES, FORWARD, HEADER, STOP, Header, Link
+from .protocol import DTYPES, FORWARD, HEADER, PROBE, STOP, Header, Link
 
 
 def run_stage(model: nn.Module, x: mx.array, cache: list, begin: int, end: int,
@@ -55,9 +55,12 @@ def follow(model: nn.Module, link: Link, counts: tuple[int, ...]) -> None:
             link.send(header.array(), dst, "the request")
         if header.op == STOP:
             return
-        if header.op != FORWARD:
+        if header.op not in (FORWARD, PROBE):
             raise RuntimeError(f"rank {rank}: unknown request {header.op}")
         x = link.recv(header.payload_shape(hidden), DTYPES[header.dtype], src,
                       "hidden states")
+        if header.op == PROBE:
+            link.send(x, dst, "hidden states")
+            continue
         trim(cache[begin:end], header.offset, rank)
         link.send(run_stage(model, x, cache, begin, end, header.keep), dst, "hidden states")

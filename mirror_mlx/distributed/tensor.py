@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import math
 import queue
+import statistics
 import threading
+import time
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -33,8 +35,8 @@ from ..errors import DistributedError, InvalidParameter
 from ..models import split
 from ..models.load import materialize
 from . import stage
-from .pipeline import StandIn, driving
-from .protocol import DTYPES, FORWARD, HEADER, STOP, Header, Link
+from .pipeline import PROBES, StandIn, driving
+from .protocol import DTYPES, FORWARD, HEADER, PROBE, STOP, Header, Link
 
 
 def unshardable(model: nn.Module, ranks: int) -> str | None:
@@ -91,6 +93,8 @@ class Tensor:
         self._open = False  # a forward announced whose last layer was not built yet
         self._driver = None  # the cache (one session's) whose positions the followers hold
         self._stopped = False
+        self.hidden = model.args.hidden_size
+        self.layers = len(model.model.layers)
         self._bound: int | None = None  # the watchdog's token for the forward in flight
         self._landing: queue.Queue = queue.Queue()  # (last layer output, token); None: end
         threading.Thread(target=self._land, name="mirror-tensor-forwards", daemon=True).start()
@@ -140,6 +144,20 @@ class Tensor:
             self.link.wait(self._tail, "running the last forward's layers with the other ranks")
             self._tail = None
 
+    def probe(self, dtype, rounds: int = PROBES) -> float:
+        """Seconds a one-token forward spends in all-reduces: its announcement's two and two
+        per layer, each timed as one of a one-token window's hidden states (the median of
+        `rounds`)."""
+        self._settle()
+        x = mx.zeros((1, 1, self.hidden), dtype)
+        times = []
+        for _ in range(rounds):
+            self.link.broadcast(Header(PROBE, 1, 0, DTYPES.index(dtype)).array(), "a probe")
+            start = time.perf_counter()
+            self.link.broadcast(x, "a probe's hidden states")
+            times.append(time.perf_counter() - start)
+        return statistics.median(times) * (2 + 2 * self.layers)
+
     def stop(self) -> None:
         """Tell the followers the run is over (once)."""
         if not self._stopped:
@@ -178,9 +196,11 @@ def follow(model: nn.Module, link: Link) -> None:
                                           bounded=False))
         if header.op == STOP:
             return
-        if header.op != FORWARD:
+        if header.op not in (FORWARD, PROBE):
             raise RuntimeError(f"rank {rank}: unknown request {header.op}")
         x = link.broadcast(mx.zeros(header.payload_shape(hidden), DTYPES[header.dtype]),
                            "hidden states")
+        if header.op == PROBE:
+            continue
         stage.trim(cache, header.offset, rank)
         link.wait(stage.run_stage(model, x, cache, 0, n, ()), "running the layers with rank 0")

@@ -38,11 +38,13 @@ class LoadedModel:
     split: tuple[int, ...] = ()  # layers per rank, rank 0 first, when pipelined over processes
     ranks: int = 1  # processes that run it
     parallel: str = ""  # how it is split over them: "tensor" or "pipeline" ("" in one)
+    comm_s: float = 0.0  # seconds a one-token forward spends in transfers (a probe at start)
 
     @property
     def placement(self) -> dict:
         """How it runs across processes, in the stats' field names (GenerationStats)."""
-        return {"ranks": self.ranks, "split": list(self.split), "parallel": self.parallel}
+        return {"ranks": self.ranks, "split": list(self.split), "parallel": self.parallel,
+                "comm_s": self.comm_s}
 
     @property
     def vocab_size(self) -> int:

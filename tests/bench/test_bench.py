@@ -4,12 +4,13 @@ phase, and the speedup arithmetic."""
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import mirror_mlx  # noqa: F401  (first: OpenBLAS before MLX)
 from mirror_mlx.bench.harness import BenchConfig, Run, run_bench
 from mirror_mlx.bench.mlx_lm_modes import MLXLMDraft
 from mirror_mlx.bench.prompts import BenchPrompt
-from mirror_mlx.bench.report import energy_summary, run_metrics, spread
+from mirror_mlx.bench.report import energy_summary, ranks_summary, run_metrics, spread
 from mirror_mlx.cli import main
 from mirror_mlx.decode.stats import GenerationStats
 from mirror_mlx.draft.net import DraftConfig, DraftNet
@@ -190,3 +191,19 @@ def test_speedups_pair_runs_of_the_same_prompt_turn_and_repeat():
     assert metrics[5]["speedup_vs_ar"] == pytest.approx(1.0)
     assert spread([3.0, None, 1.0, 2.0]) == {"median": 2.0, "min": 1.0, "max": 3.0, "n": 3}
     assert spread([None]) is None
+
+
+def test_transfers_across_ranks_per_token():
+    """The bench's account of transfers between ranks: the probe's time per step over the
+    tokens each step committed, so a mode that commits more per step pays less per token."""
+    def ranked(mode, steps, tokens, decode_s):
+        return Run(mode, "a", "qa", 0, 0, [1] * tokens, 1, 0.1, 0.1 + decode_s, GenerationStats(
+            target_steps=steps, committed_tokens=tokens, decode_s=decode_s, ranks=2,
+            parallel="pipeline", split=[15, 15], comm_s=0.002))
+    out = ranks_summary(SimpleNamespace(runs=[ranked("ar", 10, 10, 1.0),
+                                              ranked("sd", 4, 10, 0.6)]))
+    assert out["ar"]["comm_ms_per_token"] == pytest.approx(2.0)
+    assert out["sd"]["comm_ms_per_token"] == pytest.approx(0.8)
+    assert out["ar"]["comm_share"] == pytest.approx(0.02)
+    assert out["sd"]["comm_share"] == pytest.approx(0.008 / 0.6)
+    assert ranks_summary(SimpleNamespace(runs=[_run("ar", "a", 10.0)])) == {}

@@ -29,6 +29,8 @@ def test_generate_on_two_ranks_equals_single_process(single, capfd, tmp_path):
     stats = reply["stats"]
     # auto: the default target's 9 heads do not divide by 2 ranks, so it is pipelined.
     assert (stats["ranks"], stats["split"], stats["parallel"]) == (2, [15, 15], "pipeline")
+    # A probe's round trip at start: transfers take time, and far less than a step.
+    assert 0 < stats["comm_s"] < stats["decode_s"] / stats["target_steps"]
     assert (stats["draft_tokens"], stats["accepted_tokens"]) == \
         (single["sd"].stats.draft_tokens, single["sd"].stats.accepted_tokens)
 
