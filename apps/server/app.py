@@ -391,9 +391,17 @@ class Handler(BaseHTTPRequestHandler):
                 # The first chunk comes after the turn and the prefill: a bad prompt still gets
                 # a plain JSON error, before any event is sent.
                 first = next(stream)
-                if stop.reason == "shutdown" and first.stats and not first.stats.generated_tokens:
+                if stop.reason in ("shutdown", "timeout") and first.stats and \
+                        not first.stats.generated_tokens:
                     stream.close()  # a generation stopped in its prefill gives up its turn
-                    raise EngineClosed("the server is shutting down")
+                    if stop.reason == "shutdown":
+                        raise EngineClosed("the server is shutting down")
+                    # Waiting for its turn (or in its prefill) the whole time: a busy server,
+                    # not a reply; a client may try again (Retry-After), unlike after a 200.
+                    raise RequestError(503, f"no token within --request-timeout ("
+                                       f"{self.server.limits.request_timeout:g} s): the "
+                                       "request waited for its turn behind others or for its "
+                                       "prefill", type="server_busy", code="request_timeout")
             except PromptTooLong as e:
                 raise RequestError(400, str(e), "messages" if request.kind == "chat"
                                    else "prompt", "context_length_exceeded") from e

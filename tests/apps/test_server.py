@@ -277,6 +277,28 @@ def test_request_timeout_ends_the_reply(engine, stream):
     assert last.mirror_stats["generated_tokens"] < 500
 
 
+def test_a_request_that_times_out_waiting_for_its_turn_gets_a_503(engine):
+    """Past --request-timeout before its first token (queued behind a generation that holds
+    the engine): no reply was begun, so it is told the server is busy, with Retry-After, not
+    given an empty 200."""
+    with serving(engine, request_timeout=0.5) as server:
+        holder = engine.stream("A long essay about rivers:", max_tokens=500)
+        next(holder)  # the engine's turn is taken until the stream is closed
+        try:
+            conn = http.client.HTTPConnection(*server.server_address[:2], timeout=60)
+            conn.request("POST", "/v1/completions", body=json.dumps({"prompt": "Hi"}),
+                         headers={"Content-Type": "application/json"})
+            response = conn.getresponse()
+            status, body = response.status, json.loads(response.read())
+            retry = response.getheader("Retry-After")
+            conn.close()
+        finally:
+            holder.close()
+    assert status == 503 and retry, body
+    assert body["error"]["code"] == "request_timeout"
+    assert "no token within --request-timeout (0.5 s)" in body["error"]["message"]
+
+
 def _read_all(sock: socket.socket, timeout: float = 60) -> bytes:
     """Everything the server sends until it closes the connection (or `timeout` passes: a
     bound on a hang, not a measure; every caller expects the server to close)."""
