@@ -230,10 +230,16 @@ class Handler(BaseHTTPRequestHandler):
         if not self.server.idle(self.connection, True):
             self.close_connection = True
             return
+        self.raw_requestline = b""
         try:
             super().handle_one_request()
         finally:
             self.server.idle(self.connection, False)
+        if not self.raw_requestline and self._reader.began is not None:
+            # The standard library closes without a word when the request line times out
+            # (a client that began one and stalled): say why, as for its headers.
+            self.command, self.requestline, self.request_version = None, "", "HTTP/1.1"
+            self._timed_out("request line")
         self._served += 1
 
     @property

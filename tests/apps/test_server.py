@@ -346,8 +346,9 @@ def test_listen_backlog_holds_a_burst(engine):
 
 
 def test_one_deadline_for_headers_and_body(engine, caplog):
-    """Headers trickled a byte at a time, each in time for a per-read timeout, and a body
-    shorter than its Content-Length both get 408 once read_timeout has passed. The trickle
+    """Headers trickled a byte at a time, each in time for a per-read timeout, a body shorter
+    than its Content-Length and a request line that never ends all get 408 once read_timeout
+    has passed. The trickle
     would last 17 s: a deadline per read would answer only after it, the one deadline
     after 0.5 s (the bound leaves a busy machine 10 s to answer)."""
     with serving(engine, read_timeout=0.5) as server:
@@ -364,6 +365,9 @@ def test_one_deadline_for_headers_and_body(engine, caplog):
         with socket.create_connection(address, timeout=5) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: "
                          b"application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+            assert _read_all(sock).startswith(b"HTTP/1.1 408")
+        with socket.create_connection(address, timeout=5) as sock:
+            sock.sendall(b"POST /v1/compl")  # a request line that never ends
             assert _read_all(sock).startswith(b"HTTP/1.1 408")
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
