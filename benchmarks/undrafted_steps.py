@@ -5,10 +5,11 @@ gate (decode/length.py) stops drafting, and such steps should cost what target-o
 costs. Here drafting is held off for the whole run (the gate is set paused at the run's
 temperature), so every SD and Mirror-SD step is such a step; the three modes decode the same
 prompts, interleaved prompt by prompt, and each prints its milliseconds per decoded token and
-its ratio to AR's. Prompt lookup stays on, as in use: a copy from the context is still tried.
+its ratio to AR's. Prompt lookup stays on, as in use (a copy from the context is still
+tried), unless --no-lookup: then every step is a one-token step, the same work as AR's.
 
     python benchmarks/undrafted_steps.py [--prompts builtin|FILE.jsonl] [--per-category 1]
-        [--count 4] [--temp 1.0] [--max-tokens 64] [--repeats 2]
+        [--count 4] [--temp 1.0] [--max-tokens 64] [--repeats 2] [--no-lookup]
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ def main() -> None:
     p.add_argument("--temp", type=float, default=1.0)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2, help="the first is a warm-up, not counted")
+    p.add_argument("--no-lookup", action="store_true", help="no copies from the context either")
     args = p.parse_args()
     prompts = [q.turns[0] for q in load_prompts(args.prompts, args.per_category)][: args.count]
     target = load(None)
-    engines = {m: Engine(target, mode=m, quiet=True) for m in MODES}
+    engines = {m: Engine(target, mode=m, lookup=not args.no_lookup, quiet=True) for m in MODES}
     for mode in MODES[1:]:
         engines[mode].session.length.gates[round(args.temp, 2)] = Gate(off_for=10**9)
     seconds = dict.fromkeys(MODES, 0.0)
