@@ -29,6 +29,7 @@ from ..api import Engine
 from ..decode.sampling import SamplingParams
 from ..decode.schedule import device_name
 from ..decode.stats import GenerationStats
+from ..draft.known import AUTO, choose, named_on_hub
 from ..draft.load import load_draft
 from ..draft.net import DraftNet
 from ..draft.select import mlx_device
@@ -201,11 +202,14 @@ def _open_modes(target: LoadedModel, config: BenchConfig, prepare: Callable | No
     return ar, modes
 
 
-def _describe_draft(net: DraftNet | None, config: BenchConfig) -> dict:
+def _describe_draft(net: DraftNet | None, config: BenchConfig, target: LoadedModel) -> dict:
     if net is None:
         return {}
     c = net.config
-    return {"spec": config.draft or "default", "layers": c.num_layers,
+    spec = config.draft or AUTO
+    if spec == AUTO:  # what it resolved to (said, not fetched, again)
+        spec = f"{AUTO} ({choose(target.name, named_on_hub(target)).spec})"
+    return {"spec": spec, "layers": c.num_layers,
             "hidden_size": c.hidden_size, "head_size": c.head_size,
             "gamma": config.gamma or "auto", "reads_features": c.feature_layers,
             "lookup": config.lookup}
@@ -256,7 +260,7 @@ def run_bench(target: LoadedModel, prompts: list[BenchPrompt], config: BenchConf
     try:
         net = load_draft(config.draft, target) if any(
             m in config.modes for m in ("sd", "mirror", "mlx-lm-sd")) else None
-        draft = _describe_draft(net, config)
+        draft = _describe_draft(net, config, target)
         units = _check_units(target, net, config)
         warm = prompts[0]
         for mode in modes.values():

@@ -44,6 +44,7 @@ def test_bench_end_to_end(default_gguf, tmp_path):
     doc = json.loads((out / "bench.json").read_text())
     assert doc["config"]["modes"] == MODES and doc["config"]["max_tokens"] == 4
     assert doc["config"]["exit_head"] == "none" and doc["config"]["draft_device"] == "cpu"
+    assert doc["draft"]["spec"] == "auto (default)"  # what --draft auto resolved to
     assert doc["machine"]["mlx_version"] and doc["versions"]["mlx-lm"]
     runs = doc["runs"]
     assert len(runs) == 5 * 3  # five modes x (one single-turn + one two-turn question)
