@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import statistics
 import time
+import weakref
+from collections import deque
 from collections.abc import Iterable
 from types import SimpleNamespace
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..errors import InvalidParameter
 from .protocol import DTYPES, FORWARD, PROBE, STOP, Header, Link
 
 PROBES = 20  # round trips timed at start (communication per forward, for the stats)
@@ -32,7 +33,8 @@ class Pipeline:
         self.keep: tuple[int, ...] = ()
         self.hidden = model.args.hidden_size
         self._outputs: dict[int, mx.array] = {}
-        self._driver = None  # the cache (one session's) whose positions the stages hold
+        self.sessions = Sessions()
+        self._session = (0, -1)  # the forward's session number, and one to drop
         self._stopped = False
         layers = model.model.layers
         for i in range(self.end):
@@ -47,14 +49,15 @@ class Pipeline:
     def layer(self, i: int, h: mx.array, cache) -> mx.array:
         offset = cache.offset
         if i == 0:
-            self._driver = driving(self._driver, cache)
+            self._session = self.sessions.of(cache)
         cache.offset += h.shape[1]
         if i == 0:
             self._outputs = self._forward(h, offset)
         return self._outputs.get(i, h)
 
     def _forward(self, h: mx.array, offset: int) -> dict[int, mx.array]:
-        header = Header(FORWARD, h.shape[1], offset, DTYPES.index(h.dtype), self.keep)
+        header = Header(FORWARD, h.shape[1], offset, DTYPES.index(h.dtype), self.keep,
+                        *self._session)
         rows = [h[0]] + [mx.zeros_like(h[0])] * len(self.keep)
         self.link.send(header.array(), 1, "a request")
         self.link.send(mx.stack(rows), 1, "hidden states")
@@ -87,13 +90,24 @@ class Pipeline:
             self.link.send(Header(STOP).array(), 1, "the end of the run")
 
 
-def driving(current, cache):
-    """The cache whose positions the other ranks hold, once a forward over `cache` begins: the
-    other ranks keep one cache, so another session's may only start from scratch."""
-    if cache is not current and cache.offset:
-        raise InvalidParameter("across ranks, one conversation at a time: the other ranks "
-                               "hold another session's cache")
-    return cache
+class Sessions:
+    """Rank 0's numbers for its sessions (several engines, a bench's modes): the other ranks
+    keep a cache per number. A session is known by its first layer's cache; once that is gone,
+    the next request tells the other ranks to free the session's cache."""
+
+    def __init__(self):
+        self._numbers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._next = 0
+        self._gone: deque[int] = deque()  # appended from whichever thread collects a cache
+
+    def of(self, cache) -> tuple[int, int]:
+        """(the number of the session `cache` begins, a session to free or -1)."""
+        number = self._numbers.get(cache)
+        if number is None:
+            number, self._next = self._next, self._next + 1
+            self._numbers[cache] = number
+            weakref.finalize(cache, self._gone.append, number)
+        return number, self._gone.popleft() if self._gone else -1
 
 
 class StandIn(nn.Module):

@@ -18,7 +18,7 @@ from ..errors import DistributedError
 from .watchdog import Watchdog
 
 HEADER = 16
-MAX_KEEP = HEADER - 5
+MAX_KEEP = HEADER - 7
 FORWARD, STOP, PROBE = 1, 2, 3
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
@@ -29,29 +29,34 @@ class Header:
     first stage gets the embedding, and so do the ranks of a tensor-parallel target: token ids
     would do there too, but the embedding keeps the families' embedding scales on rank 0, and
     costs what one of the forward's 2 all-reduces per layer costs), to be appended after the
-    first `offset` positions of each rank's cache (a rank trims what rank 0 has trimmed
-    since: rejected drafts). `keep`: the layers whose outputs travel back too (the
-    draft's features, Mirror-SD's early exit), in order. STOP: the run is over. PROBE: the
-    hidden states of a one-token window travel as a forward's would, through no layer (what
-    a forward's communication costs, measured at start)."""
+    first `offset` positions of the cache each rank keeps for rank 0's session number
+    `session` (a rank trims what rank 0 has trimmed since: rejected drafts). `drop`: a
+    session rank 0 no longer has, whose cache the ranks free (-1: none). `keep`: the layers
+    whose outputs travel back too (the draft's features, Mirror-SD's early exit), in order.
+    STOP: the run is over. PROBE: the hidden states of a one-token window travel as a
+    forward's would, through no layer (what a forward's communication costs, measured at
+    start)."""
 
     op: int
     length: int = 0
     offset: int = 0
     dtype: int = 0  # index into DTYPES
     keep: tuple[int, ...] = ()
+    session: int = 0
+    drop: int = -1
 
     def array(self) -> mx.array:
         if len(self.keep) > MAX_KEEP:
             raise DistributedError(f"at most {MAX_KEEP} layers' outputs can travel back "
                                    f"(asked for {len(self.keep)})")
-        values = [self.op, self.length, self.offset, self.dtype, len(self.keep), *self.keep]
+        values = [self.op, self.length, self.offset, self.dtype, self.session, self.drop,
+                  len(self.keep), *self.keep]
         return mx.array(values + [-1] * (HEADER - len(values)), dtype=mx.int32)
 
     @staticmethod
     def of(a: mx.array) -> Header:
         v = a.tolist()
-        return Header(v[0], v[1], v[2], v[3], tuple(v[5 : 5 + v[4]]))
+        return Header(v[0], v[1], v[2], v[3], tuple(v[7 : 7 + v[6]]), v[4], v[5])
 
     def payload_shape(self, hidden: int) -> tuple[int, int, int]:
         """The hidden states: the current one, then one per kept layer."""

@@ -28,6 +28,15 @@ def run_stage(model: nn.Module, x: mx.array, cache: list, begin: int, end: int,
     return mx.concatenate([h, *rows]) if rows else h
 
 
+def session_cache(caches: dict[int, list], model: nn.Module, header: Header) -> list:
+    """The cache this rank keeps for the forward's session (made at its first forward), after
+    freeing the one of a session rank 0 no longer has."""
+    caches.pop(header.drop, None)
+    if header.session not in caches:
+        caches[header.session] = split.make_cache(model)
+    return caches[header.session]
+
+
 def trim(cache: list, offset: int, rank: int) -> None:
     """Drop what rank 0 has trimmed since the last forward (rejected drafts)."""
     for c in cache:
@@ -45,7 +54,7 @@ def follow(model: nn.Module, link: Link, counts: tuple[int, ...]) -> None:
     for i, layer in enumerate(model.model.layers):
         if not begin <= i < end:
             model.model.layers[i] = StandIn(layer)  # frees the weights it never runs
-    cache = split.make_cache(model)
+    caches: dict[int, list] = {}  # by rank 0's session number
     hidden = model.args.hidden_size
     src, dst = rank - 1, (rank + 1) % size
     while True:
@@ -62,5 +71,6 @@ def follow(model: nn.Module, link: Link, counts: tuple[int, ...]) -> None:
         if header.op == PROBE:
             link.send(x, dst, "hidden states")
             continue
+        cache = session_cache(caches, model, header)
         trim(cache[begin:end], header.offset, rank)
         link.send(run_stage(model, x, cache, begin, end, header.keep), dst, "hidden states")

@@ -35,7 +35,7 @@ from ..errors import DistributedError, InvalidParameter
 from ..models import split
 from ..models.load import materialize
 from . import stage
-from .pipeline import PROBES, StandIn, driving
+from .pipeline import PROBES, Sessions, StandIn
 from .protocol import DTYPES, FORWARD, HEADER, PROBE, STOP, Header, Link
 
 
@@ -91,7 +91,7 @@ class Tensor:
         self.link = link
         self._tail: mx.array | None = None  # the latest forward's last layer output
         self._open = False  # a forward announced whose last layer was not built yet
-        self._driver = None  # the cache (one session's) whose positions the followers hold
+        self.sessions = Sessions()
         self._stopped = False
         self.hidden = model.args.hidden_size
         self.layers = len(model.model.layers)
@@ -108,10 +108,10 @@ class Tensor:
         """Nothing to bring back: every layer's output is on rank 0 (see Pipeline.want)."""
 
     def announce(self, h: mx.array, cache) -> None:
-        self._driver = driving(self._driver, cache)
+        session = self.sessions.of(cache)
         self._settle()
         self.link.broadcast(Header(FORWARD, h.shape[1], cache.offset,
-                                   DTYPES.index(h.dtype)).array(),
+                                   DTYPES.index(h.dtype), (), *session).array(),
                             "a request")
         self.link.broadcast(h[:1], "hidden states")
         self._open = True
@@ -188,7 +188,7 @@ class Announcing(StandIn):
 def follow(model: nn.Module, link: Link) -> None:
     """Ranks 1..n-1: run every forward rank 0 announces on this rank's shard, until STOP."""
     rank = link.group.rank()
-    cache = split.make_cache(model)
+    caches: dict[int, list] = {}  # by rank 0's session number
     n = len(model.model.layers)
     hidden = model.args.hidden_size
     while True:
@@ -202,5 +202,6 @@ def follow(model: nn.Module, link: Link) -> None:
                            "hidden states")
         if header.op == PROBE:
             continue
+        cache = stage.session_cache(caches, model, header)
         stage.trim(cache, header.offset, rank)
         link.wait(stage.run_stage(model, x, cache, 0, n, ()), "running the layers with rank 0")
