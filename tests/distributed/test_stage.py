@@ -3,7 +3,11 @@ computes what the whole model computes, for every family the split runs: masks m
 the stage's own first layers, sliding windows included, through a prefill, steps and a trim
 (rejected drafts)."""
 
-from mirror_mlx.distributed.stage import run_stage
+import gc
+
+from mirror_mlx.distributed.pipeline import Sessions
+from mirror_mlx.distributed.protocol import FORWARD, Header
+from mirror_mlx.distributed.stage import run_stage, session_cache
 from mirror_mlx.models import split
 
 import mlx.core as mx
@@ -31,3 +35,24 @@ def test_stage_is_the_model(family):
         assert mx.array_equal(x[1:], after3), family
         for c in first + stage + whole:
             c.trim(trim)
+
+
+def test_each_session_has_its_cache_on_the_other_ranks_until_it_is_gone():
+    """Rank 0 numbers sessions by their first cache; a request names its session, and once
+    a session's cache is collected the next request tells the other ranks to free it."""
+    model = tiny("llama")
+    sessions, kept = Sessions(), {}
+    one, two = split.make_cache(model), split.make_cache(model)
+    first = Header(FORWARD, 1, 0, 0, (), *sessions.of(one[0]))
+    assert (first.session, first.drop) == (0, -1)
+    assert Header.of(first.array()) == first  # as it travels
+    assert sessions.of(two[0]) == (1, -1) and sessions.of(one[0]) == (0, -1)
+    mine = session_cache(kept, model, first)
+    assert session_cache(kept, model, first) is mine
+    assert session_cache(kept, model, Header(FORWARD, 1, 0, 0, (), 1)) is not mine
+    del one
+    gc.collect()
+    later = Header(FORWARD, 1, 0, 0, (), *sessions.of(two[0]))
+    assert (later.session, later.drop) == (1, 0)
+    session_cache(kept, model, later)
+    assert sorted(kept) == [1]
