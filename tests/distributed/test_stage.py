@@ -1,7 +1,7 @@
 """A stage's share of the layers, on its own cache (the layers before it never ran there),
 computes what the whole model computes, for every family the split runs: masks made from
 the stage's own first layers, sliding windows included, through a prefill, steps and a trim
-(rejected drafts)."""
+(rejected drafts); and a stage keeps a cache per session of rank 0's."""
 
 import gc
 
