@@ -268,7 +268,7 @@ class Engine:
                     if not quiet:
                         print(self.mode_note, file=sys.stderr, flush=True)
             self._make_session(mode, draft, draft_device, context, gamma, kappa, exit_layer,
-                         exit_head, branch_budget, branch_source, lookup, separate_units)
+                               exit_head, branch_budget, branch_source, lookup, separate_units)
             materialize(self.target.model)
             self._worker = _take_worker()
             # Given back once: by close(), or when an engine dropped without close() is collected.
@@ -288,8 +288,8 @@ class Engine:
             self._release()
             raise
 
-    def _make_session(self, mode, draft, draft_device, context, gamma, kappa, exit_layer, exit_head,
-                branch_budget, branch_source, lookup, separate_units) -> None:
+    def _make_session(self, mode, draft, draft_device, context, gamma, kappa, exit_layer,
+                      exit_head, branch_budget, branch_source, lookup, separate_units) -> None:
         """The decoding settings, the draft (unless made already) and the session."""
         model = self.target
         head = load_exit_head(exit_head, model, exit_layer) if mode == "mirror" else None
