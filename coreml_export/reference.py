@@ -91,6 +91,9 @@ class ReferenceModel:
         return {name: out.numpy().astype(np.float32)
                 for name, out in zip(self.spec.outputs, outputs)}
 
+    def close(self) -> None:
+        """Nothing to release: the module is freed with the object."""
+
     def _check(self, inputs: dict[str, np.ndarray]) -> None:
         if set(inputs) != set(self.spec.inputs):
             raise RuntimeError(f"inputs {sorted(inputs)} are not the model's "

@@ -17,6 +17,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from importlib.metadata import version
 from pathlib import Path
 
@@ -27,11 +28,13 @@ from .bench.identity import Identity, compare, summary
 from .draft.coreml_draft import (
     CoreMLDrafter,
     CoreMLExecutor,
+    compiled_model,
     compiled_package,
     mlx_embedding,
     read_package_spec,
 )
 from .draft.coreml_package import FORMAT, draft_weights, weights_sha256
+from .draft.coreml_process import ProcessRuntime
 from .draft.load import load_draft
 from .draft.mlx_draft import MLXExecutor
 from .draft.rollout import OWN, TARGET, ZERO, FeatureRefs
@@ -177,15 +180,14 @@ class Selftest:
             made = "exported"
         self.package = out
         spec = read_package_spec(out)
+        # In its own process, as open_package runs a package.
         if ok:
-            import coremltools as ct
-
             self.runtime_name = "Core ML (CPU_AND_NE)"
-            self.make_runtime = lambda: ct.models.CompiledMLModel(
-                str(compiled_package(out)), compute_units=ct.ComputeUnit[spec.compute_units])
+            model = partial(compiled_model, compiled_package(out), spec.compute_units)
         else:
             self.runtime_name = f"the reference executor, not Core ML ({why})"
-            self.make_runtime = lambda: ReferenceModel(spec, weights)
+            model = partial(ReferenceModel, spec, weights)
+        self.make_runtime = lambda: ProcessRuntime(model)
         return f"{made} {out}"
 
     def _executor(self):

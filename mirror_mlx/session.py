@@ -18,7 +18,7 @@ from .decode.sampling import Sampler, SamplingParams
 from .decode.schedule import scheduler_for
 from .decode.speculative import speculative
 from .decode.stats import GenerationStats
-from .draft.base import DRAFT_WAIT_S, Drafter, Features, Job
+from .draft.base import DRAFT_WAIT_S, Drafter, DraftLost, Features, Job
 from .errors import InvalidParameter, PromptTooLong
 from .memory import CacheClearer
 from .models import split
@@ -91,7 +91,8 @@ class Session:
             if self.settings.mode == "mirror" else None
         # The adaptive draft length's measurements hold across generations too.
         self.length = DraftLength() if self.settings.gamma is None else None
-        self.hung = ""  # why the draft was given up for good (a job that never returned)
+        # Why the draft was given up for good (a job never returned, or its process ended).
+        self.hung = ""
 
     def reset(self) -> None:
         self._trim(0)
@@ -215,8 +216,9 @@ class Session:
         """The draft failed: this generation goes on without it (and, if a job never returned,
         the session too). Returns the mode to decode in."""
         why = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
-        if isinstance(error, TimeoutError):
+        if isinstance(error, TimeoutError) and not str(error):
             why = f"a draft job did not return within {DRAFT_WAIT_S:.0f} s"
+        if isinstance(error, (TimeoutError, DraftLost)):
             self.hung = why
         stats.draft_fault = why
         warnings.warn(f"the draft failed ({why}); decoding goes on with the target alone",

@@ -24,6 +24,10 @@ from ..decode.sampling import SamplingParams
 DRAFT_WAIT_S = 60.0
 
 
+class DraftLost(RuntimeError):
+    """The draft cannot serve again: the process that ran it ended or was stopped."""
+
+
 @dataclass
 class Features:
     """The target's features (its outputs at a feature-conditioned draft's `feature_layers`,

@@ -3,7 +3,8 @@
 It runs jobs inline, on the caller's thread, in `run_pending`: coremltools' predict holds the
 GIL for the whole call (APPLE_APIS fact 1), so a worker thread would gain nothing; the decoders
 dispatch the target's work with `mx.async_eval` first and then call `run_pending`, which is
-where the two overlap.
+where the two overlap. The package itself runs in a child process (coreml_process.py), so a
+predict that hangs or crashes ends the draft, not the app.
 
 The executor speaks the package contract of draft/coreml_package.py to a runtime with
 `make_state()` and `predict(inputs, state)`: on macOS coremltools' CompiledMLModel, elsewhere
@@ -44,6 +45,7 @@ from .coreml_package import (
     unit_rms,
     window_visible,
 )
+from .coreml_process import ProcessRuntime
 from .load import vocab_fingerprint
 from .rollout import FED, OWN, TARGET, FeatureRefs, TreeState, run_job
 
@@ -56,6 +58,8 @@ class Runtime(Protocol):
     def make_state(self) -> Any: ...
 
     def predict(self, inputs: dict[str, np.ndarray], state: Any) -> dict[str, np.ndarray]: ...
+
+    def close(self) -> None: ...
 
 
 class CoreMLExecutor:
@@ -278,6 +282,7 @@ class CoreMLDrafter:
             future, _ = self._pending.popleft()
             if future is not None:
                 future.cancel()
+        self._executor.runtime.close()
 
 
 def mlx_embedding(embedding: nn.Module) -> Callable[[list[int]], np.ndarray]:
@@ -367,15 +372,19 @@ def compiled_package(package: Path) -> Path:
 
 def open_package(package: str | Path, target: LoadedModel, top_k: int = 4) -> CoreMLDrafter:
     """A drafter running `package` with Core ML (macOS 15+; see platform.coreml_status)."""
-    ct = import_coremltools()
-
     package = Path(package)
     spec = read_package_spec(package)
     check_target(spec, target, str(package))
     try:
-        model = ct.models.CompiledMLModel(str(compiled_package(package)),
-                                          compute_units=ct.ComputeUnit[spec.compute_units])
+        runtime = ProcessRuntime(partial(compiled_model, compiled_package(package),
+                                         spec.compute_units))
     except Exception as e:  # coremltools raises bare Exceptions (no bindings, compile errors)
         raise CoreMLUnavailable(f"Core ML could not load it ({e})") from e
     embed = mlx_embedding(target.model.model.embed_tokens)
-    return CoreMLDrafter(CoreMLExecutor(model, spec, embed), top_k)
+    return CoreMLDrafter(CoreMLExecutor(runtime, spec, embed), top_k)
+
+
+def compiled_model(compiled: Path, compute_units: str):
+    """coremltools' model over a compiled package (run in the Core ML process)."""
+    ct = import_coremltools()
+    return ct.models.CompiledMLModel(str(compiled), compute_units=ct.ComputeUnit[compute_units])
