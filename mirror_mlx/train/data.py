@@ -150,21 +150,18 @@ def make_shard(target: LoadedModel, specs: list[PromptSpec], seed: int, max_new:
 
 
 def generate_data(target: LoadedModel, out: Path, conversations: int, seed: int = 0,
-                  max_new: int = 256, batch: int = 32, prompts_file: Path | None = None) -> Path:
+                  max_new: int = 256, batch: int = 32,
+                  prompts: list[PromptSpec] | None = None) -> Path:
     """Write `conversations` sampled conversations (plus passages and follow-ups) under
-    out/data/. Returns that folder. Resumes where an earlier run stopped."""
+    out/data/, from `prompts` (else generated ones). Returns that folder. Resumes where an
+    earlier run stopped."""
     folder = out / "data"
     folder.mkdir(parents=True, exist_ok=True)
     meta = folder / "meta.json"
     if meta.exists() and json.loads(meta.read_text()).get("source") == "replies":
         raise InvalidParameter(f"{folder} holds labelled replies (distill --replies); sample "
                                f"into another --out")
-    if prompts_file:
-        specs = [PromptSpec("user", line.strip()) for line in
-                 prompts_file.read_text().splitlines() if line.strip()]
-    else:
-        specs = make_prompts(conversations, seed)
-    specs = specs[:conversations]
+    specs = (prompts or make_prompts(conversations, seed))[:conversations]
     shards = [specs[i : i + SHARD] for i in range(0, len(specs), SHARD)]
     todo = [i for i in range(len(shards)) if not (folder / f"shard-{i:05d}.npz").exists()]
     # A prompt is sampled once, plus once for its passage and once for its follow-up turn;

@@ -27,6 +27,7 @@ from ..errors import InvalidParameter, ModelLoadError
 from ..models.load import LoadedModel
 from ..progress import Progress
 from . import feature
+from .prompts import PromptSpec
 
 
 @dataclass
@@ -329,7 +330,7 @@ def _resume(folder: Path, net: DraftNet, opt) -> int:
 
 
 def run_distill(target: LoadedModel, out: Path, cfg: TrainConfig, conversations: int | None,
-                max_new: int = 200, batch: int = 48, prompts_file: Path | None = None,
+                max_new: int = 200, batch: int = 48, prompts: list[PromptSpec] | None = None,
                 replies: Path | None = None, sets: tuple[str, ...] = ("greedy", "t08"),
                 data_only: bool = False) -> dict:
     """Make the data (sampled from the target, or its `replies` labelled; resuming), then train
@@ -341,7 +342,7 @@ def run_distill(target: LoadedModel, out: Path, cfg: TrainConfig, conversations:
         folder = replies_data(target, replies, out, sets, conversations, cfg.seq_len)
     else:
         folder = generate_data(target, out, conversations or 4000, cfg.seed, max_new, batch,
-                               prompts_file)
+                               prompts)
     if data_only:
         return data_summary(folder)
     return train_draft(target, load_data(folder), out, cfg)

@@ -170,14 +170,17 @@ def unrolled_loss(net: DraftNet, x, f, tid, tw, passes: int, soft_ce) -> mx.arra
 
 
 def feature_agreement(net: DraftNet, batches, passes: int) -> dict:
-    """Held-out top-1 agreement with the target per unrolled pass (pass 0: target features)."""
+    """Held-out top-1 agreement with the target per unrolled pass (pass 0: target features).
+    Where the target's best token is one the head cannot produce, it counts as a miss (as in
+    distill.agreement)."""
     hits = np.zeros(passes)
     total = np.zeros(passes)
     for x, f, tid, tw in batches:
-        valid = (tw.sum(-1) > 0) & (tw[..., 0] >= tw.max(-1))
+        valid = tw.sum(-1) > 0
+        top = tw[..., 0] >= tw.max(-1)  # the first soft target is the target's best token
         for k, logits in enumerate(unrolled_logits(net, x, f, passes)):
             pred = mx.argmax(logits, axis=-1)
-            ok = (pred == tid[..., 0]) & valid
+            ok = (pred == tid[..., 0]) & valid & top
             hits[k] += int(ok[:, k:].sum())
             total[k] += int(valid[:, k:].sum())
     rates = hits / np.maximum(total, 1)

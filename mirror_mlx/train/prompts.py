@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import PromptFileError
 
 TOPICS = """photosynthesis|the water cycle|black holes|plate tectonics|the immune system|volcanoes|
 climate change|the French Revolution|the Roman Empire|the printing press|the industrial revolution|
@@ -153,3 +156,15 @@ def make_prompts(n: int, seed: int = 0) -> list[PromptSpec]:
         else:
             out.append(PromptSpec(category, makers[category](), follow_up=follow))
     return out
+
+
+def prompts_from_file(path: Path) -> list[PromptSpec]:
+    """A prompt file for `distill --prompts FILE`: one prompt a line."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PromptFileError(f"{path}: cannot read the prompt file ({e})") from e
+    specs = [PromptSpec("user", line.strip()) for line in lines if line.strip()]
+    if not specs:
+        raise PromptFileError(f"{path}: no prompts in it (one a line)")
+    return specs
