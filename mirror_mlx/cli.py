@@ -278,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "shipped one) instead of starting from the target's layers; its "
                         "layers, head and streams are kept (use a new --seed for fresh data)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "gpu"),
+                   help="where MLX samples, labels and trains: its default device (auto: the "
+                        "GPU on a Mac), the CPU, or a GPU (Metal, or CUDA with mlx-cuda)")
 
     p = sub.add_parser("distill-exit", help="train the early-exit head (tuned lens) and report "
                                             "per-layer top-kappa coverage")
@@ -468,6 +471,9 @@ def cmd_inspect(args) -> None:
 def cmd_distill(args) -> None:
     from pathlib import Path
 
+    import mlx.core as mx
+
+    from .draft.select import mlx_device
     from .errors import InvalidParameter
     from .models.load import load
     from .train.distill import TrainConfig, run_distill
@@ -488,6 +494,9 @@ def cmd_distill(args) -> None:
         prompts = prompts_from_file(Path(args.prompts))
     elif args.exclude:
         raise InvalidParameter("--exclude goes with --prompts sharegpt")
+    device = mlx_device(args.device)
+    if device is not None:
+        mx.set_default_device(device)
     target = load(args.target, dtype="float32")
     features = _feature_layers(args.features, target)
     cfg = TrainConfig(layers=args.layers or (1 if features else 3),

@@ -55,8 +55,7 @@ def mlx_device(name: str | None) -> mx.Device | None:
                                f"(got '{name}')")
     device = mx.Device(mx.cpu if name == "cpu" else mx.gpu)
     if not mx.is_available(device):
-        raise InvalidParameter(f"MLX has no {name} on this machine; the draft device is auto "
-                               "or cpu here")
+        raise InvalidParameter(f"MLX has no {name} on this machine (auto or cpu here)")
     if name == "cpu" and mlx_backend() == "cuda":
         # MLX on CUDA keeps arrays in managed memory, which a discrete GPU and the CPU pass back
         # and forth page by page when both touch them; Apple silicon's memory is one.

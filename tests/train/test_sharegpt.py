@@ -1,6 +1,6 @@
 """`distill --prompts sharegpt` without the network: the records of a JSON file cut off inside
-one, the prompts a conversation gives (and those it must not), the pinned wheel's hash, and the
-CLI's errors."""
+one, the prompts a conversation gives (and those it must not), the pinned wheel's hash; and
+distill's errors for its prompts and device."""
 
 import json
 
@@ -9,6 +9,7 @@ from mirror_mlx.errors import DataFileError
 from mirror_mlx.train import sharegpt
 from mirror_mlx.train.sharegpt import complete_records, prompt_specs
 
+import mlx.core as mx
 import pytest
 
 BENCH = "Please summarize the following article about the history of the printing press."
@@ -64,7 +65,7 @@ def test_a_wheel_that_is_not_the_pinned_one_is_refused(tmp_path, monkeypatch):
     assert not wheel.exists()  # removed: the next run downloads it again
 
 
-def test_cli_errors(tmp_path, capsys):
+def test_distill_cli_errors(tmp_path, capsys):
     assert main(["distill", "--out", str(tmp_path), "--exclude", "x.jsonl"]) != 0
     assert "--exclude goes with --prompts sharegpt" in capsys.readouterr().err
     assert main(["distill", "--out", str(tmp_path), "--prompts", str(tmp_path / "no")]) != 0
@@ -73,3 +74,6 @@ def test_cli_errors(tmp_path, capsys):
     assert main(["distill", "--out", str(tmp_path), "--prompts",
                  str(tmp_path / "empty.txt")]) != 0
     assert "no prompts in it" in capsys.readouterr().err
+    if not mx.is_available(mx.Device(mx.gpu)):
+        assert main(["distill", "--out", str(tmp_path), "--device", "gpu"]) != 0
+        assert "MLX has no gpu on this machine" in capsys.readouterr().err
