@@ -2,13 +2,17 @@
 log-probabilities at every response position (the soft labels a draft learns from).
 
 Generation is batched with continuous refill (finished rows leave the batch, new prompts join
-it), so the CPU works on full batches. Data is written in shards of `SHARD` conversations; a
-run that is interrupted resumes at the first missing shard. The prompts of shard i depend only
-on the seed and i, so a resumed run produces the same data.
+it), so the CPU works on full batches. Data is written in shards of `SHARD` conversations,
+under a manifest written first (meta.json: the target, the prompts' hash, the arguments); a run
+that is interrupted resumes at the first missing shard, here or on another machine, and one
+with other arguments is refused. The prompts of shard i depend only on the seed and i, so a
+resumed run produces the same data.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import random
 from dataclasses import dataclass
@@ -157,11 +161,11 @@ def generate_data(target: LoadedModel, out: Path, conversations: int, seed: int 
     earlier run stopped."""
     folder = out / "data"
     folder.mkdir(parents=True, exist_ok=True)
-    meta = folder / "meta.json"
-    if meta.exists() and json.loads(meta.read_text()).get("source") == "replies":
-        raise InvalidParameter(f"{folder} holds labelled replies (distill --replies); sample "
-                               f"into another --out")
     specs = (prompts or make_prompts(conversations, seed))[:conversations]
+    digest = hashlib.sha256(json.dumps([dataclasses.astuple(s) for s in specs]).encode())
+    claim(folder, {"source": "sampled", "target": Path(target.name).name,
+                   "conversations": len(specs), "prompts_sha256": digest.hexdigest(),
+                   "seed": seed, "top_k": TOP_K, "max_new": max_new})
     shards = [specs[i : i + SHARD] for i in range(0, len(specs), SHARD)]
     todo = [i for i in range(len(shards)) if not (folder / f"shard-{i:05d}.npz").exists()]
     # A prompt is sampled once, plus once for its passage and once for its follow-up turn;
@@ -175,10 +179,28 @@ def generate_data(target: LoadedModel, out: Path, conversations: int, seed: int 
             np.savez(f, **data)
         tmp.rename(folder / f"shard-{i:05d}.npz")
     progress.close()
-    (folder / "meta.json").write_text(json.dumps({
-        "target": target.name, "conversations": len(specs), "seed": seed, "top_k": TOP_K,
-        "max_new": max_new}, indent=1))
     return folder
+
+
+def claim(folder: Path, meta: dict) -> None:
+    """Write the manifest of the data a run makes in `folder`, or check that the one there
+    describes the same work (a run resumes only what the same arguments began)."""
+    path = folder / "meta.json"
+    if path.exists():
+        old = json.loads(path.read_text())
+        if old != meta:
+            diff = "; ".join(f"{k}: {old.get(k)} then, {meta.get(k)} now"
+                             for k in sorted(set(old) | set(meta)) if old.get(k) != meta.get(k))
+            raise InvalidParameter(
+                f"{folder} holds data made with other arguments ({diff}); run with the same "
+                f"arguments to resume, or use another --out")
+    elif any(folder.glob("shard-*.npz")):
+        raise InvalidParameter(f"{folder} holds data without a manifest (an older version's); "
+                               f"use another --out")
+    else:
+        tmp = folder / ".meta.json"
+        tmp.write_text(json.dumps(meta, indent=1))
+        tmp.rename(path)
 
 
 def load_data(folder: Path) -> list[dict]:

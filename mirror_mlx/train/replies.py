@@ -21,7 +21,6 @@ The file is an npz of token ids in flat arrays with per-row lengths:
 from __future__ import annotations
 
 import hashlib
-import json
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from ..errors import DataFileError, InvalidParameter
 from ..models import split
 from ..models.load import LoadedModel
 from ..progress import Progress
-from .data import TOP_K
+from .data import TOP_K, claim
 from .distill import PROMPT_TAIL, window
 
 SETS = {"greedy": 0.0, "t08": 0.8}  # name in the file -> temperature the replies were sampled at
@@ -215,26 +214,6 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _claim(folder: Path, meta: dict) -> None:
-    """Write the manifest, or check that the one there describes the same work."""
-    path = folder / "meta.json"
-    if path.exists():
-        old = json.loads(path.read_text())
-        if old != meta:
-            diff = "; ".join(f"{k}: {old.get(k)} then, {meta.get(k)} now"
-                             for k in sorted(set(old) | set(meta)) if old.get(k) != meta.get(k))
-            raise InvalidParameter(
-                f"{folder} holds data made with other arguments ({diff}); run with the same "
-                f"arguments to resume, or use another --out")
-    elif any(folder.glob("shard-*.npz")):
-        raise InvalidParameter(f"{folder} holds sampled data without a replies manifest; use "
-                               f"another --out")
-    else:
-        tmp = folder / ".meta.json"
-        tmp.write_text(json.dumps(meta, indent=1))
-        tmp.rename(path)
-
-
 def replies_data(target: LoadedModel, path: Path, out: Path,
                  sets: Sequence[str] = tuple(SETS), count: int | None = None,
                  seq_len: int = 384, shard_size: int = SHARD_SIZE,
@@ -259,7 +238,7 @@ def replies_data(target: LoadedModel, path: Path, out: Path,
         raise DataFileError(f"{path} holds no replies of {', '.join(sets)}")
     folder = out / "data"
     folder.mkdir(parents=True, exist_ok=True)
-    _claim(folder, {"source": "replies", "file": path.name, "sha256": _sha256(path),
+    claim(folder, {"source": "replies", "file": path.name, "sha256": _sha256(path),
                     "target": Path(target.name).name, "sets": list(sets), "count": len(picks),
                     "top_k": TOP_K, "shard_size": shard_size, "seq_len": seq_len})
     shards = [picks[i : i + shard_size] for i in range(0, len(picks), shard_size)]

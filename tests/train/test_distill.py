@@ -6,10 +6,12 @@ from mirror_mlx.draft.base import Job
 from mirror_mlx.draft.load import load_draft
 from mirror_mlx.draft.mlx_draft import MLXDrafter
 from mirror_mlx.draft.net import DraftNet
+from mirror_mlx.errors import InvalidParameter
 from mirror_mlx.models import split
 from mirror_mlx.train.data import generate_data, load_data
 from mirror_mlx.train.distill import TrainConfig, train_draft
 from mirror_mlx.train.feature import default_feature_layers
+from mirror_mlx.train.prompts import PromptSpec
 
 import pytest
 
@@ -34,6 +36,19 @@ def test_samples_hold_target_top_k(samples, target):
         if temp == 0:
             assert (s["tokens"][a:b] == s["top_ids"][pos : pos + b - a, 0]).all()
         pos += b - a
+
+
+def test_a_run_resumes_only_its_own_data(samples, target):
+    """The manifest is written first: the same arguments find every shard made (nothing is
+    sampled again), other arguments are refused before anything is sampled."""
+    out, shards = samples
+    folder = generate_data(target, out, conversations=16, seed=3, max_new=24, batch=8)
+    assert len(load_data(folder)) == len(shards)
+    with pytest.raises(InvalidParameter, match="seed: 3 then, 4 now"):
+        generate_data(target, out, conversations=16, seed=4, max_new=24, batch=8)
+    with pytest.raises(InvalidParameter, match="prompts_sha256"):
+        generate_data(target, out, conversations=16, seed=3, max_new=24, batch=8,
+                      prompts=[PromptSpec("user", "Say hi.")] * 16)
 
 
 def test_training_lowers_the_loss_and_resumes(samples, target):
