@@ -209,10 +209,13 @@ class Selftest:
                                  list(rows[0][: n - 1].astype(np.float32)))
             last = FeatureRefs([OWN], [n - 1], [])
         pairs = []
-        for ex in (MLXExecutor(net), coreml):
-            whole = ex.forward(tokens, 0, None, list(range(n)), prompt)  # several predicts
-            one = ex.forward(tokens[-1:], n, None, [0], last)  # then one token
-            pairs.append(np.concatenate([whole, one])[:, 0])
+        try:
+            for ex in (MLXExecutor(net), coreml):
+                whole = ex.forward(tokens, 0, None, list(range(n)), prompt)  # several predicts
+                one = ex.forward(tokens[-1:], n, None, [0], last)  # then one token
+                pairs.append(np.concatenate([whole, one])[:, 0])
+        finally:
+            coreml.runtime.close()
         a, b = pairs
         diff = float(np.abs(a - b).max())
         agree = float((a.argmax(-1) == b.argmax(-1)).mean())

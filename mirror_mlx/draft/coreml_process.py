@@ -41,6 +41,7 @@ class ProcessRuntime:
     def __init__(self, factory: Callable[[], Any], wait_s: float = DRAFT_WAIT_S):
         self.wait_s = wait_s
         self._lost = ""
+        self._owed = False  # a call was interrupted (Ctrl-C) before its reply was read
         mine, theirs = socketpair()
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
         self._child = subprocess.Popen(
@@ -69,18 +70,41 @@ class ProcessRuntime:
             raise DraftLost(self._lost)
         wait = self.wait_s if wait is None else wait
         try:
-            self._conn.send(message)
-            if not self._conn.poll(wait):
-                self._stop(f"the Core ML draft did not return within {wait:g} s; its process "
-                           "was stopped")
-                raise TimeoutError(self._lost)
-            status, value = self._conn.recv()
+            if self._owed:  # the interrupted call's reply comes first: it is not this one's
+                self._reply(wait)
+            self._send(message)
+            status, value = self._reply(wait)
         except (EOFError, OSError):
             self._stop(f"the Core ML draft's process ended ({self._ending()})")
             raise DraftLost(self._lost) from None
         if status == "error":
             raise RuntimeError(value)
         return value
+
+    def _send(self, message: tuple) -> None:
+        try:
+            self._conn.send(message)
+        except (EOFError, OSError):
+            raise
+        except BaseException:  # cut off inside a message, which the child cannot then read
+            self._stop("the Core ML draft was interrupted while it was sent a call")
+            raise
+        self._owed = True
+
+    def _reply(self, wait: float) -> tuple[str, Any]:
+        if not self._conn.poll(wait):
+            self._stop(f"the Core ML draft did not return within {wait:g} s; its process was "
+                       "stopped")
+            raise TimeoutError(self._lost)
+        try:
+            reply = self._conn.recv()
+        except (EOFError, OSError):
+            raise
+        except BaseException:  # cut off inside a reply: what follows cannot be read
+            self._stop("the Core ML draft was interrupted while it replied")
+            raise
+        self._owed = False
+        return reply
 
     def _ending(self) -> str:
         try:

@@ -118,3 +118,28 @@ def test_a_model_that_cannot_load_is_a_clear_error(small_draft, package):
     weights = {k: v + 1 for k, v in draft_weights(small_draft).items()}
     with pytest.raises(RuntimeError, match="ModelLoadError: .* not exported from these weights"):
         ProcessRuntime(partial(ReferenceModel.for_package, package, weights))
+
+
+def test_a_call_interrupted_while_it_waits_keeps_the_draft_in_step(small_draft):
+    """Ctrl-C while the parent waits for a reply: the next call reads that reply first and
+    then its own, so the draft is not left one reply behind for the rest of the session."""
+    spec, weights = package_spec(small_draft, 64, 4)
+    runtime = ProcessRuntime(partial(ReferenceModel, spec, weights))
+    state = runtime.make_state()
+    poll = runtime._conn.poll
+
+    def interrupted(timeout):
+        runtime._conn.poll = poll
+        raise KeyboardInterrupt
+
+    runtime._conn.poll = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        runtime.predict(inputs(spec, 1), state)
+    out = runtime.predict(inputs(spec, 2), state)
+    assert out["logits_0"].shape[-1] == 2  # its own reply, not the interrupted call's
+    assert state.read_state("k_cache").shape == spec.state_shape("k_cache")
+    runtime.close()
+
+
+def inputs(spec, s: int) -> dict:
+    return {n: np.zeros(spec.input_shape(n, s), spec.input_dtype(n)) for n in spec.inputs}
