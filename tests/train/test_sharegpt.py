@@ -57,7 +57,7 @@ def test_the_prompts_a_conversation_gives():
 
 def test_a_wheel_that_is_not_the_pinned_one_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("MIRROR_MLX_CACHE", str(tmp_path))
-    wheel = tmp_path / "sharegpt" / sharegpt.WHEEL
+    wheel = tmp_path / "sharegpt" / sharegpt.WHEEL_FILE
     wheel.parent.mkdir()
     wheel.write_bytes(b"not the package")
     with pytest.raises(DataFileError, match="not the pinned"):
