@@ -60,6 +60,7 @@ def measure_contention(target: LoadedModel, net: DraftNet, window: int = 6,
                 # A batched rollout forward's size.
                 mx.eval(net(tokens[:, :window], features=features))
                 draft_times.append(time.perf_counter() - start)
+        mx.clear_streams()  # this thread's MLX state, freed while it holds the GIL (MLXDrafter)
 
     alone = median_ms(verify, n)
     # The draft alone: the same loop, timed, with nothing beside it.

@@ -5,7 +5,7 @@ stream belongs to the thread that made it: PLATFORM.md)."""
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import replace
 
 import mlx.core as mx
@@ -143,6 +143,7 @@ class MLXDrafter:
         self._rng = np.random.default_rng()
         self._stream = None
         self._carried: list = []  # features of copy-only jobs, for the next job
+        self._closed = False
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="mirror-draft",
                                         initializer=self._make_stream)
 
@@ -173,8 +174,18 @@ class MLXDrafter:
         self._rng = np.random.default_rng(None if seed is None else seed + 1)
 
     def _run(self, job: Job) -> JobResult:
+        if self._closed:
+            raise CancelledError  # queued when the drafter closed
         with mx.stream(self._stream):
             return run_job(job, self._executor, self._state, self._rng, self.top_k)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        # The worker frees its MLX thread state itself, last (mx.clear_streams, as MLX asks of
+        # every thread that used it): left to the thread's end, it takes the GIL after the
+        # thread has let go of Python, and a program that exits right after close() aborts
+        # now and then ("terminate called without an active exception").
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.submit(mx.clear_streams)
+        self._pool.shutdown(wait=True)
