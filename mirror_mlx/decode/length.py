@@ -9,11 +9,14 @@ step never costs more than target-only decoding for what it is expected to commi
 the first token fails the rule, the step verifies nothing and is a target-only step.
 
 Copies from the context (prompt lookup) cost no drafting, but each copied token still costs
-c_v, and how far a copy survives depends on the temperature (at 0 a quoted passage is copied
-whole; at 1.0 the target rarely repeats itself word for word). So copied token k is verified
-while a_k * t_1 > c_v, a_k now being the chance, measured at this temperature over the copies
-verified so far, that a copy is accepted up to k; and one token past those, so that copies stay
-measured where they start to survive longer (that token costs c_v, a few per cent of a step).
+verification, and how far a copy survives depends on the temperature (at 0 a quoted passage is
+copied whole; at 1.0 the target rarely repeats itself word for word). So a copy verifies the k
+tokens that earn most, sum(a_j * t_1 for j <= k) - (T(k) - t_1), a_j now being the chance,
+measured at this temperature over the copies verified so far, that a copy is accepted up to j,
+and T(k) the measured step over k tokens (on a CPU the first token adds far more than the next:
+20% of a step on the default target); and one token past those, so that copies stay measured
+where they start to survive longer. Where no copied token earns its cost (k = 0), only one
+copy in COPY_PROBE is verified, for that measure.
 
 The costs are measured as decoding goes (moving averages), so the rule follows the hardware:
 a draft on its own unit (c_d hidden) drafts long windows, one that shares the target's cores
@@ -45,6 +48,7 @@ PAYS = 1.0  # earnings (target-only decoding = 1) below which drafting is switch
 # the last 20 copies count); before any, as if 2 copies had been seen and 1.8 accepted there.
 COPY_DECAY = 0.95
 COPY_PRIOR = (1.8, 2.0)
+COPY_PROBE = 8
 
 
 @dataclass
@@ -59,6 +63,7 @@ class Gate:
     # there (reached it: every token before it accepted) and accepted there.
     copy_hits: list[float] = field(default_factory=lambda: [COPY_PRIOR[0]] * LONGEST)
     copy_tries: list[float] = field(default_factory=lambda: [COPY_PRIOR[1]] * LONGEST)
+    copies_held: int = 0  # copies not verified since the last one, where none pays
 
 
 @dataclass
@@ -107,13 +112,18 @@ class DraftLength:
         """The most tokens a copy from the context may verify at this temperature."""
         if not self.target_s:
             return self.longest
-        t1, slope = self._fit()
-        gate, survives, k = self.gate(temperature), 1.0, 0
-        for hits, tries in zip(gate.copy_hits[: self.longest], gate.copy_tries):
+        gate, t1 = self.gate(temperature), self.verify_s(0)
+        survives, gained, best, k = 1.0, 0.0, 0.0, 0
+        for n, (hits, tries) in enumerate(zip(gate.copy_hits[: self.longest],
+                                              gate.copy_tries), 1):
             survives *= hits / tries
-            if survives * t1 <= slope:
-                break
-            k += 1
+            gained += survives * t1
+            if gained - (self.verify_s(n) - t1) > best:
+                best, k = gained - (self.verify_s(n) - t1), n
+        if not k:
+            gate.copies_held = (gate.copies_held + 1) % COPY_PROBE
+            if gate.copies_held:
+                return 0
         return min(self.longest, k + 1)
 
     def record_copy(self, temperature: float, verified: int, accepted: int) -> None:

@@ -3,7 +3,7 @@
 it pays; output stays the target's."""
 
 from mirror_mlx.api import Engine
-from mirror_mlx.decode.length import FIRST_PAUSE, LONGEST, PROBE, DraftLength, Gate
+from mirror_mlx.decode.length import COPY_PROBE, FIRST_PAUSE, LONGEST, PROBE, DraftLength, Gate
 from mirror_mlx.decode.sampling import SamplingParams
 from mirror_mlx.draft.load import target_info
 from mirror_mlx.draft.mlx_draft import MLXDrafter
@@ -68,19 +68,35 @@ def test_drafting_is_priced_with_the_measured_window_costs():
 def test_copies_are_as_long_as_they_survive_at_each_temperature():
     """A copied token costs c_v (2.5 ms here, t_1 = 100 ms): copies run to the longest window
     where they are accepted whole and otherwise stop one token (still measured) past those
-    that survive; each temperature on its own measure."""
+    that survive; where none survives, only one copy in COPY_PROBE is verified (its first
+    token); each temperature on its own measure."""
     length = measured(DraftLength())
     assert length.longest_copy(1.0) == LONGEST  # nothing measured: copies as they come
     for _ in range(100):
         length.record_copy(0.0, LONGEST, LONGEST)
         length.record_copy(0.5, LONGEST, 3)
         length.record_copy(1.0, LONGEST, 0)
-    assert [length.longest_copy(t) for t in (0.0, 0.5, 1.0)] == [LONGEST, 4, 1]
+    assert [length.longest_copy(t) for t in (0.0, 0.5)] == [LONGEST, 4]
+    held = [length.longest_copy(1.0) for _ in range(3 * COPY_PROBE)]
+    assert held == ([0] * (COPY_PROBE - 1) + [1]) * 3
     # Copies that survive the token past the rule lengthen again.
     for _ in range(60):
         length.record_copy(0.5, 4, 4)
     assert length.longest_copy(0.5) == LONGEST
 
+
+def test_copies_are_priced_with_the_measured_window_costs():
+    """Here a copied token adds 30% to a step and four add 45%: a copy whose first token is
+    accepted one time in four is not worth verifying, one accepted whole is, four tokens at
+    a time (a line through the lengths would price the first token at about 9%)."""
+    length = DraftLength()
+    for drafted, seconds in ((0, 0.100), (1, 0.130), (4, 0.145)):
+        length.record_target(seconds, drafted)
+    for _ in range(100):
+        length.record_copy(0.7, 4, 1 if _ % 4 == 0 else 0)
+        length.record_copy(0.0, 4, 4)
+    assert length.longest_copy(0.7) == 0
+    assert length.longest_copy(0.0) >= 4
 
 def test_a_draft_that_never_pays_costs_few_forwards_and_changes_nothing(target):
     """With a random draft (never right), most steps pay no draft forward, and greedy output
