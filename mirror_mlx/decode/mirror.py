@@ -318,6 +318,8 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         if length:
             if ahead is None:  # a window dispatched ahead computed partly while the caller worked
                 length.record_target(t_done - t_start, g)
+            elif g:  # a copy dispatched ahead: priced from its dispatch (as in speculative.py)
+                length.record_target(t_done - ahead.dispatched, g)
             stats.draft_lengths[g] = stats.draft_lengths.get(g, 0) + 1
             if copied:
                 length.record_copy(sampler.params.temperature, g, accepted)

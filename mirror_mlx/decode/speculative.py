@@ -104,6 +104,11 @@ def speculative(model: nn.Module, cache: list, drafter: Drafter, committed: list
         if adaptive:
             if ahead is None:  # the caller's work is not the target's
                 gamma.record_target(t2 - t1, g)
+            elif g:
+                # A copy dispatched ahead, priced from its dispatch (the caller's little work
+                # overlaps it): where drafting is off only such windows are verified, and
+                # unmeasured, their cost per token would be a guess (1% of a step; 20% here).
+                gamma.record_target(t2 - window.dispatched, g)
             stats.draft_lengths[g] = stats.draft_lengths.get(g, 0) + 1
             if window.copied:
                 gamma.record_copy(temperature, g, accepted)
