@@ -10,13 +10,14 @@ the first token fails the rule, the step verifies nothing and is a target-only s
 
 Copies from the context (prompt lookup) cost no drafting, but each copied token still costs
 verification, and how far a copy survives depends on the temperature (at 0 a quoted passage is
-copied whole; at 1.0 the target rarely repeats itself word for word). So a copy verifies the k
-tokens that earn most, sum(a_j * t_1 for j <= k) - (T(k) - t_1), a_j now being the chance,
-measured at this temperature over the copies verified so far, that a copy is accepted up to j,
-and T(k) the measured step over k tokens (on a CPU the first token adds far more than the next:
-20% of a step on the default target); and one token past those, so that copies stay measured
-where they start to survive longer. Where no copied token earns its cost (k = 0), only one
-copy in COPY_PROBE is verified, for that measure.
+copied whole; at 1.0 the target rarely repeats itself word for word). So copied token k is
+verified while a_k * t_1 exceeds what it adds to the step, T(k) - T(k - 1), a_k now being the
+chance, measured at this temperature over the copies verified so far, that a copy is accepted
+up to k, and T(k) the measured step over k tokens (on a CPU the first token adds far more than
+the next: 20% of a step on the default target; never taken below the fit's slope, as lengths
+not yet measured come from the fit); and one token past those, so that copies stay measured
+where they start to survive longer. Where not even the first copied token earns its cost, only
+one copy in COPY_PROBE is verified, for that measure.
 
 The costs are measured as decoding goes (moving averages), so the rule follows the hardware:
 a draft on its own unit (c_d hidden) drafts long windows, one that shares the target's cores
@@ -113,13 +114,14 @@ class DraftLength:
         if not self.target_s:
             return self.longest
         gate, t1 = self.gate(temperature), self.verify_s(0)
-        survives, gained, best, k = 1.0, 0.0, 0.0, 0
+        slope = self._fit()[1]
+        survives, k = 1.0, 0
         for n, (hits, tries) in enumerate(zip(gate.copy_hits[: self.longest],
                                               gate.copy_tries), 1):
             survives *= hits / tries
-            gained += survives * t1
-            if gained - (self.verify_s(n) - t1) > best:
-                best, k = gained - (self.verify_s(n) - t1), n
+            if survives * t1 <= max(slope, self.verify_s(n) - self.verify_s(n - 1)):
+                break
+            k = n
         if not k:
             gate.copies_held = (gate.copies_held + 1) % COPY_PROBE
             if gate.copies_held:
