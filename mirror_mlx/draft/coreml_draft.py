@@ -47,7 +47,7 @@ from .coreml_package import (
 )
 from .coreml_process import ProcessRuntime
 from .load import vocab_fingerprint
-from .rollout import FED, OWN, TARGET, FeatureRefs, TreeState, run_job
+from .rollout import FED, OWN, TARGET, FeatureRefs, JobSeeds, TreeState, run_job
 
 
 class CoreMLUnavailable(ModelLoadError):
@@ -245,7 +245,7 @@ class CoreMLDrafter:
         self.top_k = top_k
         self._executor = executor
         self._state = TreeState()
-        self._rng = np.random.default_rng()
+        self._seeds = JobSeeds()
         self._pending: deque[tuple[Future | None, Callable[[], Any]]] = deque()
 
     def submit(self, job: Job) -> Future[JobResult]:
@@ -254,10 +254,7 @@ class CoreMLDrafter:
         return future
 
     def reseed(self, seed: int | None) -> None:
-        self._pending.append((None, partial(self._seed, seed)))  # in order with the jobs
-
-    def _seed(self, seed: int | None) -> None:
-        self._rng = np.random.default_rng(None if seed is None else seed + 1)
+        self._pending.append((None, partial(self._seeds.reseed, seed)))  # in order with the jobs
 
     def run_pending(self) -> None:
         while self._pending:
@@ -275,7 +272,7 @@ class CoreMLDrafter:
                     future.set_result(result)
 
     def _run(self, job: Job) -> JobResult:
-        return run_job(job, self._executor, self._state, self._rng, self.top_k)
+        return run_job(job, self._executor, self._state, self._seeds.next(), self.top_k)
 
     def close(self) -> None:
         while self._pending:

@@ -16,7 +16,7 @@ from ..decode.schedule import device_name
 from ..models.load import materialize
 from .base import Job, JobResult
 from .net import DraftNet
-from .rollout import FED, OWN, TARGET, FeatureRefs, TreeState, not_drafted, run_job
+from .rollout import FED, OWN, TARGET, FeatureRefs, JobSeeds, TreeState, not_drafted, run_job
 
 
 class MLXExecutor:
@@ -140,7 +140,7 @@ class MLXDrafter:
         materialize(net)  # made on this thread, computed on the worker's
         self._executor = MLXExecutor(net)
         self._state = TreeState()
-        self._rng = np.random.default_rng()
+        self._seeds = JobSeeds()
         self._stream = None
         self._carried: list = []  # features of copy-only jobs, for the next job
         self._closed = False
@@ -168,16 +168,13 @@ class MLXDrafter:
         pass
 
     def reseed(self, seed: int | None) -> None:
-        self._pool.submit(self._seed, seed)  # in order with the jobs around it
-
-    def _seed(self, seed: int | None) -> None:
-        self._rng = np.random.default_rng(None if seed is None else seed + 1)
+        self._pool.submit(self._seeds.reseed, seed)  # in order with the jobs around it
 
     def _run(self, job: Job) -> JobResult:
         if self._closed:
             raise CancelledError  # queued when the drafter closed
         with mx.stream(self._stream):
-            return run_job(job, self._executor, self._state, self._rng, self.top_k)
+            return run_job(job, self._executor, self._state, self._seeds.next(), self.top_k)
 
     def close(self) -> None:
         # The worker frees its MLX thread state itself, last (mx.clear_streams, as MLX asks of

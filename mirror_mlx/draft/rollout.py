@@ -280,6 +280,26 @@ def not_drafted(top_k: int) -> Rollout:
                    True)
 
 
+class JobSeeds:
+    """The draft's randomness: a generator of its own for each job, drawn from the seed and
+    the job's number. A job cancelled midway (when verification lands, a matter of timing)
+    draws as many numbers as it got to; sharing one generator, the jobs after it would then
+    draw other numbers from run to run, and a seeded generation would not repeat."""
+
+    _STREAM = 0x6D697272  # keeps the draft's streams apart from the sampler's, seeded alike
+
+    def __init__(self) -> None:
+        self.reseed(None)
+
+    def reseed(self, seed: int | None) -> None:
+        self._seed, self._jobs = seed, 0
+
+    def next(self) -> np.random.Generator:
+        self._jobs += 1
+        return np.random.default_rng(
+            None if self._seed is None else (self._STREAM, self._seed, self._jobs))
+
+
 def run_job(job: Job, ex: Executor, state: TreeState, rng: np.random.Generator,
             top_k: int = 4) -> JobResult:
     try:
