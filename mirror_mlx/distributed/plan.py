@@ -2,8 +2,9 @@
 
 Rank 0 keeps the *last* layers, with the final norm and output layer: the logits, and the
 hidden states Mirror-SD's early exit reads (5/6 of the depth), then lie where the decoders
-run. Ranks 1..n-1 hold the first layers in rank order; a forward travels 0 -> 1 -> ... ->
-n-1 -> 0 around the ring."""
+run (where a split leaves the exit on the last stage, that stage sends it ahead of the rest
+of the forward: pipeline.py). Ranks 1..n-1 hold the first layers in rank order; a forward
+travels 0 -> 1 -> ... -> n-1 -> 0 around the ring."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from ..errors import DistributedError
 from .watchdog import Watchdog
 
 HEADER = 16
-MAX_KEEP = HEADER - 7
+MAX_KEEP = HEADER - 8
 FORWARD, STOP, PROBE = 1, 2, 3
 DTYPES = (mx.float32, mx.float16, mx.bfloat16)
 
@@ -33,6 +33,8 @@ class Header:
     `session` (a rank trims what rank 0 has trimmed since: rejected drafts). `drop`: a
     session rank 0 no longer has, whose cache the ranks free (-1: none). `keep`: the layers
     whose outputs travel back too (the draft's features, Mirror-SD's early exit), in order.
+    `early`: a kept layer of the last stage (Mirror-SD's exit) whose output, with the kept
+    outputs before it, that stage sends to rank 0 as soon as it has it (-1: none).
     STOP: the run is over. PROBE: the hidden states of a one-token window travel as a
     forward's would, through no layer (what a forward's communication costs, measured at
     start)."""
@@ -44,23 +46,28 @@ class Header:
     keep: tuple[int, ...] = ()
     session: int = 0
     drop: int = -1
+    early: int = -1
 
     def array(self) -> mx.array:
         if len(self.keep) > MAX_KEEP:
             raise DistributedError(f"at most {MAX_KEEP} layers' outputs can travel back "
                                    f"(asked for {len(self.keep)})")
         values = [self.op, self.length, self.offset, self.dtype, self.session, self.drop,
-                  len(self.keep), *self.keep]
+                  self.early, len(self.keep), *self.keep]
         return mx.array(values + [-1] * (HEADER - len(values)), dtype=mx.int32)
 
     @staticmethod
     def of(a: mx.array) -> Header:
         v = a.tolist()
-        return Header(v[0], v[1], v[2], v[3], tuple(v[7 : 7 + v[6]]), v[4], v[5])
+        return Header(v[0], v[1], v[2], v[3], tuple(v[8 : 8 + v[7]]), v[4], v[5], v[6])
 
     def payload_shape(self, hidden: int) -> tuple[int, int, int]:
         """The hidden states: the current one, then one per kept layer."""
         return (1 + len(self.keep), self.length, hidden)
+
+    def early_shape(self, hidden: int) -> tuple[int, int, int]:
+        """The early message: the kept layers' outputs up to `early`, in order."""
+        return (sum(k <= self.early for k in self.keep), self.length, hidden)
 
 
 class Link:

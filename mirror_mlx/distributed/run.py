@@ -135,9 +135,9 @@ def want_layers(pipeline: Pipeline | tensor.Tensor, engine) -> None:
     """Bring back what rank 0 reads from the stages' layers: the draft's features and
     Mirror-SD's early exit."""
     after = list(engine.drafter.feature_layers) if engine.drafter is not None else []
-    settings = engine.session.settings
+    settings, exit_after = engine.session.settings, None
     if settings.mode == "mirror":
         head = settings.mirror.exit_head
-        after.append(head.layer if head else settings.mirror.exit_layer)
-    pipeline.want(after)
+        exit_after = head.layer if head else settings.mirror.exit_layer
+    pipeline.want(after, exit_after)
 

@@ -4,6 +4,8 @@ stop. A stage has no tokenizer, draft or sampler: every decision is rank 0's."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import mlx.core as mx
 import mlx.nn as nn
 
@@ -14,9 +16,12 @@ from .protocol import DTYPES, FORWARD, HEADER, PROBE, STOP, Header, Link
 
 
 def run_stage(model: nn.Module, x: mx.array, cache: list, begin: int, end: int,
-              keep: tuple[int, ...]) -> mx.array:
+              keep: tuple[int, ...], early: int = -1,
+              send_early: Callable[[mx.array], None] | None = None) -> mx.array:
     """Layers [begin, end) over `x` (the current hidden state, then the kept layers'
-    outputs so far); returns `x` with the current state and this stage's kept outputs."""
+    outputs so far); returns `x` with the current state and this stage's kept outputs.
+    After layer `early`, `send_early` gets the kept outputs up to it: rank 0 starts on the
+    early exit while this stage and rank 0's own layers finish the forward."""
     h = x[:1]
     masks = split.layer_masks(model, h, cache, begin, end)
     rows = [x[j + 1 : j + 2] for j in range(len(keep))]
@@ -25,6 +30,8 @@ def run_stage(model: nn.Module, x: mx.array, cache: list, begin: int, end: int,
         h = layers[i](h, masks[i - begin], cache=cache[i])
         if i in keep:
             rows[keep.index(i)] = h
+        if i == early and send_early is not None:
+            send_early(mx.concatenate([r for r, k in zip(rows, keep) if k <= early]))
     return mx.concatenate([h, *rows]) if rows else h
 
 
@@ -73,4 +80,9 @@ def follow(model: nn.Module, link: Link, counts: tuple[int, ...]) -> None:
             continue
         cache = session_cache(caches, model, header)
         trim(cache[begin:end], header.offset, rank)
-        link.send(run_stage(model, x, cache, begin, end, header.keep), dst, "hidden states")
+        # Only the last stage sends early: rank 0 is its next hop (the ring's transports
+        # connect neighbours only), and the exit lies there unless rank 0 holds it.
+        early = header.early if dst == 0 and begin <= header.early < end else -1
+        link.send(run_stage(model, x, cache, begin, end, header.keep, early,
+                            lambda rows: link.send(rows, 0, "the early exit's hidden states")),
+                  dst, "hidden states")

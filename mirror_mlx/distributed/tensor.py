@@ -104,7 +104,7 @@ class Tensor:
         if last:
             layers[last] = Announcing(self, layers[last], first=False, last=True)
 
-    def want(self, after) -> None:
+    def want(self, after, exit_after=None) -> None:
         """Nothing to bring back: every layer's output is on rank 0 (see Pipeline.want)."""
 
     def announce(self, h: mx.array, cache) -> None:

@@ -81,6 +81,7 @@ def main() -> int:
                     out["sd-sampled"] = {"token_ids": r.token_ids}
             if args.interleave:
                 out["interleaved"] = interleave(target, args.prompt)
+            out["early_exits"] = getattr(pipeline, "early_exits", 0)
             print(json.dumps(out), flush=True)
     except MirrorError as e:
         print(f"mirror-mlx: error: {e}", file=sys.stderr, flush=True)

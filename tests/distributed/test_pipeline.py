@@ -38,9 +38,11 @@ def test_generate_on_two_ranks_equals_single_process(single, capfd, tmp_path):
 def test_three_ranks_all_decoders_equal_single_process(single, default_gguf, capfd):
     """AR, SD and Mirror-SD over 3 ranks with rank 0 holding only layers 27-30: the early
     exit (after layer 25) and the draft's feature layers (3, 15, 25) come back from ranks 1
-    and 2."""
+    and 2, rank 2 sending the exit ahead of the rest (Mirror-SD runs first: SD after it reads
+    its features from there)."""
     status, out, err = run_ranks(capfd, 3, "--model", str(default_gguf), "--split",
-                                 "4,13,13", "--branch-budget", "1", "--interleave", "--sampled")
+                                 "4,13,13", "--branch-budget", "1", "--interleave", "--sampled",
+                                 "--modes", "mirror,ar,sd")
     assert status == 0, err
     replies = json.loads(out.strip().splitlines()[-1])
     for mode in ("ar", "sd", "mirror"):
@@ -53,6 +55,10 @@ def test_three_ranks_all_decoders_equal_single_process(single, default_gguf, cap
     # The exit read the wrong hidden state -> its guesses would almost never hold the token.
     assert mirror["exit_positions"] > 0
     assert mirror["exit_covered"] / mirror["exit_positions"] >= 0.5, mirror
+    # Rank 2 holds the exit: it sent it, with the features, ahead of the forward's end in
+    # Mirror-SD's forwards and in those after (the layer stays wanted), SD's among them, whose
+    # acceptance (above) shows the features it read from there are the target's.
+    assert replies["early_exits"] >= mirror["target_steps"] + sd["target_steps"] > 0
     # Seeded sampling: the same draws on the same target distributions.
     assert replies["sd-sampled"]["token_ids"] == single["sd-sampled"].token_ids
     # The stages keep a cache per session: the first continues after the second ran, from its

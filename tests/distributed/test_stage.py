@@ -56,3 +56,25 @@ def test_each_session_has_its_cache_on_the_other_ranks_until_it_is_gone():
     assert (later.session, later.drop) == (1, 0)
     session_cache(kept, model, later)
     assert sorted(kept) == [1]
+
+
+def test_the_last_stage_sends_the_exit_ahead_of_the_rest():
+    """After layer `early` (Mirror-SD's exit) a stage sends the kept outputs up to it, the
+    ones its final message repeats, and then runs on; the header carries the layer."""
+    model = tiny("llama")
+    n = len(model.model.layers)
+    keep, early = (0, 1, n - 2), 1
+    header = Header(FORWARD, 9, 0, 0, keep, 3, -1, early)
+    assert Header.of(header.array()) == header
+    assert header.early_shape(8) == (2, 9, 8)
+    p = split.start(model, mx.array([PROMPT[:9]]), split.make_cache(model))
+    x = mx.concatenate([p.h] + [mx.zeros_like(p.h)] * len(keep))
+    sent = []
+    out = run_stage(model, x, split.make_cache(model), 0, n, keep, early, sent.append)
+    [ahead] = sent
+    assert ahead.shape == (2, 9, p.h.shape[-1])
+    assert mx.array_equal(ahead, out[1:3])
+    reference, taps = split.forward(model, mx.array([PROMPT[:9]]), split.make_cache(model),
+                                    taps=(1, 2, n - 1))
+    assert all(mx.array_equal(out[j + 1], taps[j][0]) for j in range(3))
+    assert mx.array_equal(split.final_logits(model, out[:1]), reference)
