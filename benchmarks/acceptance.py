@@ -67,7 +67,8 @@ def correct(target, net, prompt: list[int], reply: list[int], gamma: int) -> np.
     """(gamma, len(reply)): whether the draft's argmax is reply[t] as the i-th drafted token."""
     ids = prompt + reply[:-1]
     if net.reads_features:
-        f = feature.target_features(target, [np.array(ids)], net.config.feature_layers)[0]
+        f = feature.target_features(target, [np.array(ids)], net.config.feature_layers,
+                                    raw=True)[0]
         passes = feature.unrolled_logits(net, mx.array([ids]), mx.array(f[None]), gamma)
     else:
         passes = [net(mx.array([ids]))] * gamma

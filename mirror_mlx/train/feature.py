@@ -66,11 +66,14 @@ def init_feature_draft(target: LoadedModel, layers: int, head_tokens: list[int],
 
 
 def target_features(target: LoadedModel, token_lists: list[np.ndarray], layers: list[int],
-                    batch: int = 8, progress: Progress | None = None) -> list[np.ndarray]:
+                    batch: int = 8, progress: Progress | None = None,
+                    raw: bool = False) -> list[np.ndarray]:
     """Per token list (T,), the target's outputs of `layers` after each token, each divided by
-    its root mean square, concatenated: (T, len(layers) * hidden) float16. Lists are run in
-    batches of similar length (padding at the end changes nothing before it under a causal
-    mask)."""
+    its root mean square, concatenated: (T, len(layers) * hidden) float16 (what training
+    stores: a draft of ours norms each feature first, so the scale is not needed). `raw`: the
+    states as the decoders hand them to a draft, float32 (an EAGLE-3 head's fc reads them
+    unnormed). Lists are run in batches of similar length (padding at the end changes nothing
+    before it under a causal mask)."""
     model = target.model
     out: list[np.ndarray | None] = [None] * len(token_lists)
     order = sorted(range(len(token_lists)), key=lambda i: len(token_lists[i]))
@@ -82,8 +85,9 @@ def target_features(target: LoadedModel, token_lists: list[np.ndarray], layers: 
             x[r, : len(token_lists[i])] = token_lists[i]
         p = split.start(model, mx.array(x), [None] * len(model.layers), layers)
         split.run_layers(model, p, 0, max(layers))
-        feats = mx.concatenate([f * mx.rsqrt(mx.mean(f * f, axis=-1, keepdims=True) + 1e-12)
-                                for f in p.features], axis=-1).astype(mx.float16)
+        feats = mx.concatenate(p.features, axis=-1) if raw else mx.concatenate(
+            [f * mx.rsqrt(mx.mean(f * f, axis=-1, keepdims=True) + 1e-12)
+             for f in p.features], axis=-1).astype(mx.float16)
         mx.eval(feats)
         feats = np.array(feats)
         for r, i in enumerate(group):
@@ -110,6 +114,11 @@ class _Prefixed:
 
     def __init__(self, keys: list, values: list):
         self.keys, self.values = keys, values
+
+    @property
+    def offset(self) -> int:
+        """The keys held before this pass's (an EAGLE-3 head's mask reads it)."""
+        return sum(k.shape[2] for k in self.keys)
 
     def update_and_fetch(self, k, v):
         self.keys.append(k)

@@ -4,6 +4,7 @@ PyTorch reference written from the public definition (EAGLE's cnets.py, SpecForg
 llama3_eagle.py, speculators' eagle3 model); SD and Mirror-SD with them are lossless; heads made
 for another target are refused by what differs."""
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -284,6 +285,31 @@ def test_drafts_equal_the_reference(name, small, tmp_path):
         # probabilities by far more, and the order of the top tokens is exact above.
         np.testing.assert_allclose(rollout.top_probs[k], p[top], rtol=2e-3, atol=1e-6)
         assert rollout.tokens[k] == top[0]
+
+
+@pytest.mark.parametrize("name", ["eagle", "speculators", "specforge-raw"])
+def test_the_unroll_over_text_drafts_as_the_drafter_does(name, small, tmp_path):
+    """benchmarks/acceptance.py scores a draft by unrolling it over a reply (train/feature.py:
+    pass k at position t stands for the k-th token of a step at t - k). Over a reply that is
+    the head's own greedy chain, pass k at position k guesses the chain's k-th token, as the
+    drafter drafted it: the unroll reads the target's states unnormed, as the head's fc does,
+    and hides position 0's key as the drafter does."""
+    spec = importlib.util.spec_from_file_location(
+        "acceptance", Path(__file__).resolve().parents[2] / "benchmarks" / "acceptance.py")
+    acceptance = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(acceptance)
+    write_head(tmp_path / name, VARIANTS[name])
+    net = load_draft(str(tmp_path / name), small)
+    n, T = 4, len(PROMPT)
+    drafter = MLXDrafter(net)
+    try:
+        rows = target_states(small.model, PROMPT, sorted(READS.get(name, [2, 4, 5])))
+        job = Job([PROMPT], n, features=[Features(PROMPT, 0, rows[: T - 1])])
+        chain = list(drafter.submit(job).result().rollouts[0].tokens)
+    finally:
+        drafter.close()
+    right = acceptance.correct(small, net, PROMPT, chain, n)
+    assert [bool(right[k, k]) for k in range(n)] == [True] * n, (name, chain)
 
 
 @pytest.mark.parametrize("name", ["eagle", "speculators"])
