@@ -18,7 +18,7 @@ from mirror_mlx.draft.load import load_draft
 from mirror_mlx.models.load import load
 from mirror_mlx.train import feature
 from mirror_mlx.train.data import load_data
-from mirror_mlx.train.distill import _batches, agreement, examples, head_positions
+from mirror_mlx.train.distill import _batches, agreement, examples, features_of, head_positions
 
 import numpy as np
 
@@ -41,8 +41,7 @@ def main() -> None:
         index = head_positions(list(net.config.head_tokens or range(target.vocab_size)),
                                target.vocab_size)
         if net.reads_features:
-            feats = feature.target_features(target, [e.tokens for e in held],
-                                            net.config.feature_layers)
+            feats = features_of(target, held, net.config.feature_layers)
             batches = _batches(held, 1, args.seq_len, index, np.random.default_rng(0), feats)
             score = feature.feature_agreement(net, batches, 1)
         else:

@@ -173,11 +173,8 @@ def generate_data(target: LoadedModel, out: Path, conversations: int, seed: int 
     records = sum(1 + bool(s.passage_request) + bool(s.follow_up) for i in todo for s in shards[i])
     progress = Progress("sampling", records * 140, unit="tok")
     for i in todo:
-        data = make_shard(target, shards[i], seed * 100_003 + i, max_new, batch, progress)
-        tmp = folder / f".shard-{i:05d}.npz"
-        with open(tmp, "wb") as f:
-            np.savez(f, **data)
-        tmp.rename(folder / f"shard-{i:05d}.npz")
+        write_shard(folder / f"shard-{i:05d}.npz",
+                    make_shard(target, shards[i], seed * 100_003 + i, max_new, batch, progress))
     progress.close()
     return folder
 
@@ -203,5 +200,30 @@ def claim(folder: Path, meta: dict) -> None:
         tmp.rename(path)
 
 
+def write_shard(path: Path, data: dict) -> None:
+    """A shard, atomically: it exists whole or not at all, so a run resumes at the first one
+    missing. The target's features, where there are any, go to a file of their own first
+    (path with .features.npy), which training maps into memory instead of reading."""
+    data = dict(data)
+    features = data.pop("features", None)
+    if features is not None:
+        _atomic(path.with_suffix(".features.npy"), lambda f: np.save(f, features))
+    _atomic(path, lambda f: np.savez(f, **data))
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name("." + path.name)
+    with open(tmp, "wb") as f:
+        write(f)
+    tmp.rename(path)
+
+
 def load_data(folder: Path) -> list[dict]:
-    return [dict(np.load(p)) for p in sorted(folder.glob("shard-*.npz"))]
+    """The shards of a data folder; features (where stored) mapped, not read."""
+    shards = []
+    for path in sorted(folder.glob("shard-*.npz")):
+        shard = dict(np.load(path))
+        if "feature_offsets" in shard:
+            shard["features"] = np.load(path.with_suffix(".features.npy"), mmap_mode="r")
+        shards.append(shard)
+    return shards

@@ -59,6 +59,10 @@ class Example:
     first: int  # index in `tokens` of the first response token
     top_ids: np.ndarray  # (len(tokens) - first, k): target's top tokens predicting each one
     top_logp: np.ndarray
+    # The target's features (feature.stored) after each input token, computed with the whole
+    # record before the window as context, where the data holds them (a mapped file's rows).
+    features: np.ndarray | None = None
+    feature_layers: tuple[int, ...] = ()  # the target layers `features` hold
 
 
 PROMPT_TAIL = 32
@@ -84,7 +88,18 @@ def examples(shards: list[dict], seq_len: int) -> list[Example]:
             first = len(toks) - n_resp
             start, end = window(first, len(toks), seq_len)
             keep = end - first
-            out.append(Example(toks[start:end], first - start, ids[:keep], lp[:keep]))
+            feats, layers = None, ()
+            if "features" in s:  # rows from the data's own window start, which may be earlier
+                at = start - int(s["feature_start"][r])
+                if at < 0:
+                    raise InvalidParameter(
+                        f"the data's features cover a shorter window than --seq-len {seq_len}; "
+                        f"train with the --seq-len the data was made with, or less")
+                f0 = int(s["feature_offsets"][r]) + at
+                feats = s["features"][f0 : f0 + end - start - 1]
+                layers = tuple(int(n) for n in s["feature_layers"])
+            out.append(Example(toks[start:end], first - start, ids[:keep], lp[:keep], feats,
+                               layers))
     return out
 
 
@@ -212,6 +227,18 @@ def agreement(net: DraftNet, items: list[Example], head_index: np.ndarray,
     return {"top1_agreement": hit / max(total, 1), "positions": total}
 
 
+def features_of(target: LoadedModel, items: list[Example], layers: list[int]
+                ) -> list[np.ndarray]:
+    """The target's features at `layers` for each example's input: the data's own where it
+    holds those layers, else one pass over the examples' tokens (kept in memory)."""
+    if all(e.feature_layers == tuple(layers) for e in items):
+        return [e.features for e in items]
+    progress = Progress("target features", sum(len(e.tokens) for e in items), unit="tok")
+    out = feature.target_features(target, [e.tokens for e in items], layers, progress=progress)
+    progress.close()
+    return out
+
+
 def train_draft(target: LoadedModel, shards: list[dict], out: Path, cfg: TrainConfig) -> dict:
     """Train and save a draft under out/draft; resumes from out/checkpoint when present."""
     if cfg.layers < 1 or cfg.layers >= target.num_layers:
@@ -238,14 +265,8 @@ def train_draft(target: LoadedModel, shards: list[dict], out: Path, cfg: TrainCo
     head_index = head_positions(head, target.vocab_size)
     feats = held_feats = None
     if net.reads_features:
-        layers = net.config.feature_layers
-        progress = Progress("target features", sum(len(e.tokens) for e in items + held),
-                            unit="tok")
-        feats = feature.target_features(target, [e.tokens for e in items], layers,
-                                        progress=progress)
-        held_feats = feature.target_features(target, [e.tokens for e in held], layers,
-                                             progress=progress)
-        progress.close()
+        feats = features_of(target, items, net.config.feature_layers)
+        held_feats = features_of(target, held, net.config.feature_layers)
 
     steps_per_epoch = len(items) // cfg.batch
     total = max(1, int(steps_per_epoch * cfg.epochs))
@@ -339,7 +360,8 @@ def run_distill(target: LoadedModel, out: Path, cfg: TrainConfig, conversations:
     from .replies import replies_data
 
     if replies is not None:
-        folder = replies_data(target, replies, out, sets, conversations, cfg.seq_len)
+        folder = replies_data(target, replies, out, sets, conversations, cfg.seq_len,
+                              taps=cfg.features or ())
     else:
         folder = generate_data(target, out, conversations or 4000, cfg.seed, max_new, batch,
                                prompts)

@@ -1,8 +1,11 @@
 """Training a feature-conditioned draft (draft/net.py): the target's features for the training
 text, and the training-time test.
 
-Features are recomputed from the stored tokens (one pass of the target's first layers over each
-example, kept in memory as float16), so the sampled data needs no change and stays small. Each
+Data labelled from replies (`distill --replies`) carries the features, computed in the same
+forward as the labels with each record's whole context, in files that training maps into memory:
+tens of thousands of replies fit, and a draft learns the features it will read when it runs. For
+sampled data they are recomputed from the stored tokens (one pass of the target's first layers
+over each training window, kept in memory as float16). Each
 layer's feature is kept divided by its root mean square: the draft reads it through an RMS norm
 (DraftNet.fused), which that scale does not change, and Gemma's residual stream outgrows
 float16's range (past 65,504 from the 8th of Gemma 3 270M's 18 layers).
@@ -85,9 +88,7 @@ def target_features(target: LoadedModel, token_lists: list[np.ndarray], layers: 
             x[r, : len(token_lists[i])] = token_lists[i]
         p = split.start(model, mx.array(x), [None] * len(model.layers), layers)
         split.run_layers(model, p, 0, max(layers))
-        feats = mx.concatenate(p.features, axis=-1) if raw else mx.concatenate(
-            [f * mx.rsqrt(mx.mean(f * f, axis=-1, keepdims=True) + 1e-12)
-             for f in p.features], axis=-1).astype(mx.float16)
+        feats = mx.concatenate(p.features, axis=-1) if raw else stored(p.features)
         mx.eval(feats)
         feats = np.array(feats)
         for r, i in enumerate(group):
@@ -95,6 +96,13 @@ def target_features(target: LoadedModel, token_lists: list[np.ndarray], layers: 
         if progress:
             progress.advance(sum(len(token_lists[i]) for i in group))
     return out
+
+
+def stored(features: list[mx.array]) -> mx.array:
+    """The target's states at several layers as training keeps them: each divided by its root
+    mean square, concatenated, float16."""
+    return mx.concatenate([f * mx.rsqrt(mx.mean(f * f, axis=-1, keepdims=True) + 1e-12)
+                           for f in features], axis=-1).astype(mx.float16)
 
 
 def split_features(net: DraftNet, f: mx.array) -> list[mx.array]:

@@ -33,7 +33,8 @@ from ..models import split
 from ..models.default import sha256
 from ..models.load import LoadedModel
 from ..progress import Progress
-from .data import TOP_K, claim
+from . import feature
+from .data import TOP_K, claim, write_shard
 from .distill import PROMPT_TAIL, window
 
 SETS = {"greedy": 0.0, "t08": 0.8}  # name in the file -> temperature the replies were sampled at
@@ -132,14 +133,15 @@ def top_k(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 def teacher_forced(model, records: list[tuple[np.ndarray, np.ndarray]],
                    batch_tokens: int = BATCH_TOKENS, progress: Progress | None = None,
-                   ) -> list[tuple[np.ndarray, np.ndarray]]:
+                   taps: Sequence[int] = (), starts: Sequence[int] = ()) -> list[tuple]:
     """The target's top-k ids (int32) and log-probs (float16), best first, predicting each reply
-    token of each (prompt, reply): position t of prompt + reply predicts token t + 1. Rows of
-    similar length share a forward, padded on the right (a causal mask keeps the padding out of
-    every real position)."""
+    token of each (prompt, reply): position t of prompt + reply predicts token t + 1. With
+    `taps`, also the target's states after those layers (feature.stored) at positions
+    starts[i] .. of record i's input (None without). Rows of similar length share a forward,
+    padded on the right (a causal mask keeps the padding out of every real position)."""
     inputs = [np.concatenate([p, r[:-1]]) for p, r in records]
     order = sorted(range(len(records)), key=lambda i: len(inputs[i]))
-    out: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    out: dict[int, tuple] = {}
     while order:
         group = [order.pop(0)]  # ascending lengths: the last row taken sets the padded width
         while order and (len(group) + 1) * len(inputs[order[0]]) <= batch_tokens:
@@ -151,7 +153,15 @@ def teacher_forced(model, records: list[tuple[np.ndarray, np.ndarray]],
             x[b, : len(inputs[i])] = inputs[i]
             first = len(records[i][0]) - 1
             where.append(b * width + np.arange(first, len(inputs[i])))
-        h = model.model(mx.array(x))  # final-normed hidden states, as sample_batch reads them
+        # Final-normed hidden states, as sample_batch reads them; where features are tapped,
+        # the layers one by one (split computes what the model's own forward does).
+        feats = None
+        if taps:
+            p = split.start(model, mx.array(x), [None] * len(model.model.layers), taps)
+            h = model.model.norm(split.run_layers(model, p, 0, len(model.model.layers)))
+            feats = np.array(feature.stored(p.features))
+        else:
+            h = model.model(mx.array(x))
         h = h.reshape(-1, h.shape[-1])[mx.array(np.concatenate(where))]
         ids, logp = [], []
         for at in range(0, h.shape[0], HEAD_CHUNK):
@@ -161,8 +171,9 @@ def teacher_forced(model, records: list[tuple[np.ndarray, np.ndarray]],
             logp.append(top_lp.astype(np.float16))
         ids, logp = np.concatenate(ids), np.concatenate(logp)
         at = 0
-        for i, w in zip(group, where):
-            out[i] = ids[at : at + len(w)], logp[at : at + len(w)]
+        for b, (i, w) in enumerate(zip(group, where)):
+            rows = None if feats is None else feats[b, starts[i] : len(inputs[i])]
+            out[i] = ids[at : at + len(w)], logp[at : at + len(w)], rows
             at += len(w)
         if progress:
             progress.advance(sum(len(inputs[i]) for i in group))
@@ -192,27 +203,41 @@ def _work(prompt: np.ndarray, reply: np.ndarray) -> int:
 
 
 def make_shard(model, records: list[tuple], batch_tokens: int = BATCH_TOKENS,
-               progress: Progress | None = None) -> dict:
-    """One shard in data.py's format."""
-    labels = teacher_forced(model, [(p, r) for p, r, _ in records], batch_tokens, progress)
+               progress: Progress | None = None, taps: Sequence[int] = (),
+               seq_len: int = 384) -> dict:
+    """One shard in data.py's format. With `taps`, also the target's features (under
+    "features"; data.py writes them to a file of their own) over each record's training window
+    (distill.window at `seq_len`), computed with the record's whole context: a window cut out of
+    it would give them other values than the draft reads when it runs."""
+    starts = [window(len(p), len(p) + len(r), seq_len)[0] for p, r, _ in records]
+    labels = teacher_forced(model, [(p, r) for p, r, _ in records], batch_tokens, progress,
+                            taps, starts)
     tokens = [np.concatenate([p, r]) for p, r, _ in records]
-    return {
+    shard = {
         "tokens": np.concatenate(tokens).astype(np.int32),
         "offsets": np.concatenate([[0], np.cumsum([len(t) for t in tokens])]).astype(np.int64),
         "prompt_len": np.array([len(p) for p, _, _ in records], np.int32),
         "temperature": np.array([t for _, _, t in records], np.float32),
-        "top_ids": np.concatenate([i for i, _ in labels]),
-        "top_logp": np.concatenate([lp for _, lp in labels]),
+        "top_ids": np.concatenate([i for i, _, _ in labels]),
+        "top_logp": np.concatenate([lp for _, lp, _ in labels]),
     }
+    if taps:
+        rows = [f for _, _, f in labels]
+        shard["feature_layers"] = np.array(taps, np.int32)
+        shard["feature_start"] = np.array(starts, np.int64)
+        shard["feature_offsets"] = np.concatenate(
+            [[0], np.cumsum([len(f) for f in rows])]).astype(np.int64)
+        shard["features"] = np.concatenate(rows)
+    return shard
 
 
 def replies_data(target: LoadedModel, path: Path, out: Path,
                  sets: Sequence[str] = tuple(SETS), count: int | None = None,
                  seq_len: int = 384, shard_size: int = SHARD_SIZE,
-                 batch_tokens: int = BATCH_TOKENS) -> Path:
+                 batch_tokens: int = BATCH_TOKENS, taps: Sequence[int] = ()) -> Path:
     """Label `count` replies of `sets` from the file at `path` (all when None) with the
-    target's top-k, into shards under out/data/. Returns that folder. Resumes where an earlier
-    run stopped."""
+    target's top-k, and with its features at the layers `taps` where given, into shards under
+    out/data/. Returns that folder. Resumes where an earlier run stopped."""
     unknown = [s for s in sets if s not in SETS]
     if not sets or unknown or len(set(sets)) != len(sets):
         raise InvalidParameter(f"--sets takes one or more of {', '.join(SETS)}, each once "
@@ -232,7 +257,8 @@ def replies_data(target: LoadedModel, path: Path, out: Path,
     folder.mkdir(parents=True, exist_ok=True)
     claim(folder, {"source": "replies", "file": path.name, "sha256": sha256(path),
                    "target": Path(target.name).name, "sets": list(sets), "count": len(picks),
-                   "top_k": TOP_K, "shard_size": shard_size, "seq_len": seq_len})
+                   "top_k": TOP_K, "shard_size": shard_size, "seq_len": seq_len,
+                   "features": list(taps)})
     shards = [picks[i : i + shard_size] for i in range(0, len(picks), shard_size)]
     names = [folder / f"shard-{i:05d}.npz" for i in range(len(shards))]
     records = [_records(replies, s, seq_len, target.context_length) for s in shards]
@@ -242,10 +268,6 @@ def replies_data(target: LoadedModel, path: Path, out: Path,
     for recs, name in zip(records, names):
         if name.exists():
             continue
-        data = make_shard(target.model, recs, batch_tokens, progress)
-        tmp = name.with_name("." + name.name)
-        with open(tmp, "wb") as f:
-            np.savez(f, **data)
-        tmp.rename(name)
+        write_shard(name, make_shard(target.model, recs, batch_tokens, progress, taps, seq_len))
     progress.close()
     return folder

@@ -6,8 +6,9 @@ import json
 from mirror_mlx.api import Engine
 from mirror_mlx.cli import main
 from mirror_mlx.errors import DataFileError, InvalidParameter
+from mirror_mlx.train import feature
 from mirror_mlx.train.data import load_data
-from mirror_mlx.train.distill import examples
+from mirror_mlx.train.distill import TrainConfig, examples, train_draft
 from mirror_mlx.train.replies import Replies, _records, replies_data, write_replies
 
 import mlx.core as mx
@@ -83,6 +84,44 @@ def test_a_stopped_run_resumes_at_the_first_missing_shard(replies, target, tmp_p
         replies_data(target, path, tmp_path, sets=("greedy",), count=4, shard_size=2)
     with pytest.raises(InvalidParameter, match="count: 4 then, 5 now"):
         replies_data(target, path, tmp_path, shard_size=2)
+
+
+def test_features_come_with_the_labels_from_the_whole_record(replies, target, tmp_path,
+                                                             monkeypatch):
+    """With feature layers, each shard carries the target's features over the training
+    window (mapped, not read), computed with the whole record as context: what the draft reads
+    when it runs, not what the window alone would give; training takes them as they are."""
+    path, layers = replies[0], [3, 15, 25]
+    folder = replies_data(target, path, tmp_path, seq_len=40, shard_size=2, taps=layers)
+    shards = load_data(folder)
+    assert json.loads((folder / "meta.json").read_text())["features"] == layers
+    assert isinstance(shards[0]["features"], np.memmap)
+    records = [s["tokens"][a:b] for s in shards
+               for a, b in zip(s["offsets"][:-1], s["offsets"][1:])]
+    cut = 0
+    for item, whole in zip(examples(shards, 40), records, strict=True):
+        start = len(whole) - len(item.tokens)  # replies end where the window does
+        assert (whole[start:] == item.tokens).all()
+        by_hand = feature.target_features(target, [whole], layers)[0]
+        assert item.features.shape == (len(item.tokens) - 1, 3 * 576)
+        np.testing.assert_allclose(item.features.astype(np.float32),
+                                   by_hand[start:-1].astype(np.float32), rtol=2e-2, atol=2e-2)
+        if start:
+            cut += 1
+            alone = feature.target_features(target, [item.tokens], layers)[0]
+            assert np.abs(alone[:-1].astype(np.float32) - item.features).max() > 1.0
+    assert cut  # some windows start inside their prompt, where context changes the features
+    # A longer window than the data's cannot be trained on: its first rows were not computed.
+    with pytest.raises(InvalidParameter, match="features cover a shorter window"):
+        examples(shards, 64)
+    # A draft reading those layers trains on the stored features, without a pass of its own.
+    monkeypatch.setattr(feature, "target_features",
+                        lambda *a, **k: pytest.fail("features computed again"))
+    cfg = TrainConfig(layers=1, head_tokens=256, seq_len=40, batch=2, epochs=1, holdout=0.2,
+                      features=layers, warmup=1)
+    report = train_draft(target, shards, tmp_path, cfg)
+    assert report["steps"] == 2 and report["positions"] > 0
+    assert (tmp_path / "draft" / "weights.safetensors").exists()
 
 
 def _write(path, **arrays):
