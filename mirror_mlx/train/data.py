@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -218,10 +219,16 @@ def _atomic(path: Path, write) -> None:
     tmp.rename(path)
 
 
-def load_data(folder: Path) -> list[dict]:
-    """The shards of a data folder; features (where stored) mapped, not read."""
+def shard_paths(data: Path | Sequence[Path]) -> list[Path]:
+    """A data folder's shards, in order, or the shards given."""
+    return sorted(data.glob("shard-*.npz")) if isinstance(data, Path) else list(data)
+
+
+def load_data(data: Path | Sequence[Path]) -> list[dict]:
+    """The shards of a data folder (or the shards given); features (where stored) mapped, not
+    read."""
     shards = []
-    for path in sorted(folder.glob("shard-*.npz")):
+    for path in shard_paths(data):
         shard = dict(np.load(path))
         if "feature_offsets" in shard:
             shard["features"] = np.load(path.with_suffix(".features.npy"), mmap_mode="r")

@@ -360,23 +360,26 @@ def run_distill(target: LoadedModel, out: Path, cfg: TrainConfig, conversations:
     from .replies import replies_data
 
     if replies is not None:
-        folder = replies_data(target, replies, out, sets, conversations, cfg.seq_len,
-                              taps=cfg.features or ())
+        data = replies_data(target, replies, out, sets, conversations, cfg.seq_len,
+                            taps=cfg.features or ())
     else:
-        folder = generate_data(target, out, conversations or 4000, cfg.seed, max_new, batch,
-                               prompts)
+        data = generate_data(target, out, conversations or 4000, cfg.seed, max_new, batch,
+                             prompts)
     if data_only:
-        return data_summary(folder)
-    return train_draft(target, load_data(folder), out, cfg)
+        return data_summary(data)
+    return train_draft(target, load_data(data), out, cfg)
 
 
-def data_summary(folder: Path) -> dict:
-    """What a data folder holds, read from its shards' small arrays only."""
+def data_summary(data: Path | list[Path]) -> dict:
+    """What a data folder (or the shards given) holds, read from the shards' small arrays
+    only."""
+    from .data import shard_paths
+
     records = tokens = 0
-    shards = sorted(folder.glob("shard-*.npz"))
+    shards = shard_paths(data)
     for path in shards:
         with np.load(path) as s:
             records += len(s["prompt_len"])
             tokens += int(s["offsets"][-1]) - int(s["prompt_len"].sum())
-    return {"data": str(folder), "shards": len(shards), "records": records,
-            "response_tokens": tokens}
+    return {"data": str(shards[0].parent) if shards else "", "shards": len(shards),
+            "records": records, "response_tokens": tokens}

@@ -234,10 +234,11 @@ def make_shard(model, records: list[tuple], batch_tokens: int = BATCH_TOKENS,
 def replies_data(target: LoadedModel, path: Path, out: Path,
                  sets: Sequence[str] = tuple(SETS), count: int | None = None,
                  seq_len: int = 384, shard_size: int = SHARD_SIZE,
-                 batch_tokens: int = BATCH_TOKENS, taps: Sequence[int] = ()) -> Path:
-    """Label `count` replies of `sets` from the file at `path` (all when None) with the
-    target's top-k, and with its features at the layers `taps` where given, into shards under
-    out/data/. Returns that folder. Resumes where an earlier run stopped."""
+                 batch_tokens: int = BATCH_TOKENS, taps: Sequence[int] = ()) -> list[Path]:
+    """Label the first `count` replies of `sets` from the file at `path` (all when None) with
+    the target's top-k, and with its features at the layers `taps` where given, into shards
+    under out/data/. Returns those shards' paths. Resumes where an earlier run stopped, with
+    the same count or another."""
     unknown = [s for s in sets if s not in SETS]
     if not sets or unknown or len(set(sets)) != len(sets):
         raise InvalidParameter(f"--sets takes one or more of {', '.join(SETS)}, each once "
@@ -256,18 +257,30 @@ def replies_data(target: LoadedModel, path: Path, out: Path,
     folder = out / "data"
     folder.mkdir(parents=True, exist_ok=True)
     claim(folder, {"source": "replies", "file": path.name, "sha256": sha256(path),
-                   "target": Path(target.name).name, "sets": list(sets), "count": len(picks),
+                   "target": Path(target.name).name, "sets": list(sets),
                    "top_k": TOP_K, "shard_size": shard_size, "seq_len": seq_len,
                    "features": list(taps)})
     shards = [picks[i : i + shard_size] for i in range(0, len(picks), shard_size)]
     names = [folder / f"shard-{i:05d}.npz" for i in range(len(shards))]
     records = [_records(replies, s, seq_len, target.context_length) for s in shards]
     work = [sum(_work(p, r) for p, r, _ in recs) for recs in records]
-    done = sum(w for w, name in zip(work, names) if name.exists())
-    progress = Progress("teacher forcing", sum(work), unit="tok", done=done)
-    for recs, name in zip(records, names):
-        if name.exists():
-            continue
-        write_shard(name, make_shard(target.model, recs, batch_tokens, progress, taps, seq_len))
+    done = [_holds(name, len(recs)) for name, recs in zip(names, records)]
+    progress = Progress("teacher forcing", sum(work), unit="tok",
+                        done=sum(w for w, d in zip(work, done) if d))
+    for recs, name, d in zip(records, names, done):
+        if not d:
+            write_shard(name, make_shard(target.model, recs, batch_tokens, progress, taps,
+                                         seq_len))
     progress.close()
-    return folder
+    return names
+
+
+def _holds(shard: Path, records: int) -> bool:
+    """Whether a shard is written with all its records: the count is not part of a run's
+    manifest (the first N replies are the same whatever the total), so a run may stop and go on
+    with more or fewer; only its last shard can then hold fewer records than asked, and is
+    labelled again."""
+    if not shard.exists():
+        return False
+    with np.load(shard) as s:
+        return len(s["prompt_len"]) == records

@@ -38,9 +38,9 @@ def _arrays(folder):
 
 def test_labels_are_the_targets_own_top_k_at_every_reply_position(replies, target, tmp_path):
     path, prompts, greedy, made_up = replies
-    folder = replies_data(target, path, tmp_path, shard_size=2)
-    shards = load_data(folder)
-    assert len(shards) == 3 and json.loads((folder / "meta.json").read_text())["count"] == 5
+    paths = replies_data(target, path, tmp_path, shard_size=2)
+    shards = load_data(paths)
+    assert len(shards) == 3 and paths == sorted((tmp_path / "data").glob("shard-*.npz"))
     # The sets in turn: greedy 0, the sampled one (prompt 2), then the other greedy replies.
     expected = [(prompts[0], greedy[0][1], 0.0), (prompts[2], made_up, 0.8),
                 (prompts[1], greedy[1][1], 0.0), (prompts[2], greedy[2][1], 0.0),
@@ -68,22 +68,32 @@ def test_labels_are_the_targets_own_top_k_at_every_reply_position(replies, targe
 
 def test_a_stopped_run_resumes_at_the_first_missing_shard(replies, target, tmp_path):
     path = replies[0]
-    folder = replies_data(target, path, tmp_path, count=4, shard_size=2)
-    whole = _arrays(folder)
-    first = folder / "shard-00000.npz"
+    paths = replies_data(target, path, tmp_path, count=4, shard_size=2)
+    whole = _arrays(paths)
+    first, second = paths
     kept = first.stat().st_mtime_ns
-    (folder / "shard-00001.npz").unlink()  # as if stopped after the first shard
-    assert replies_data(target, path, tmp_path, count=4, shard_size=2) == folder
+    second.unlink()  # as if stopped after the first shard
+    assert replies_data(target, path, tmp_path, count=4, shard_size=2) == paths
     assert first.stat().st_mtime_ns == kept  # not redone
-    again = _arrays(folder)
+    again = _arrays(paths)
     assert len(again) == len(whole) == 2
     for a, b in zip(whole, again):
         assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    # Fewer or more replies go on from the same shards: the first N are the same whatever the
+    # total; only a last shard cut short by the count is labelled again.
+    fewer = replies_data(target, path, tmp_path, count=3, shard_size=2)
+    assert fewer == paths and first.stat().st_mtime_ns == kept
+    assert [len(s["prompt_len"]) for s in load_data(fewer)] == [2, 1]
+    more = replies_data(target, path, tmp_path, count=5, shard_size=2)
+    assert more[:2] == paths and first.stat().st_mtime_ns == kept
+    assert [len(s["prompt_len"]) for s in load_data(more)] == [2, 2, 1]
+    for a, b in zip(whole, _arrays(more)):
+        assert all((a[k] == b[k]).all() for k in a)
     # Other arguments on the same folder are refused, naming what changed.
     with pytest.raises(InvalidParameter, match="sets: .*greedy"):
         replies_data(target, path, tmp_path, sets=("greedy",), count=4, shard_size=2)
-    with pytest.raises(InvalidParameter, match="count: 4 then, 5 now"):
-        replies_data(target, path, tmp_path, shard_size=2)
+    with pytest.raises(InvalidParameter, match="seq_len: 384 then, 256 now"):
+        replies_data(target, path, tmp_path, count=4, shard_size=2, seq_len=256)
 
 
 def test_features_come_with_the_labels_from_the_whole_record(replies, target, tmp_path,
@@ -92,9 +102,9 @@ def test_features_come_with_the_labels_from_the_whole_record(replies, target, tm
     window (mapped, not read), computed with the whole record as context: what the draft reads
     when it runs, not what the window alone would give; training takes them as they are."""
     path, layers = replies[0], [3, 15, 25]
-    folder = replies_data(target, path, tmp_path, seq_len=40, shard_size=2, taps=layers)
-    shards = load_data(folder)
-    assert json.loads((folder / "meta.json").read_text())["features"] == layers
+    shards = load_data(replies_data(target, path, tmp_path, seq_len=40, shard_size=2,
+                                    taps=layers))
+    assert json.loads((tmp_path / "data" / "meta.json").read_text())["features"] == layers
     assert isinstance(shards[0]["features"], np.memmap)
     records = [s["tokens"][a:b] for s in shards
                for a, b in zip(s["offsets"][:-1], s["offsets"][1:])]
