@@ -5,7 +5,7 @@ share). So a draft trained on the folder and drafts trained elsewhere are scored
 replies they never saw. Drafts that read the target's features are scored on their first pass.
 
     python benchmarks/heldout_agreement.py --data WORK/data --drafts default,FOLDER,...
-        [--seed 0] [--holdout 0.02] [--seq-len 384]
+        [--seed 0] [--holdout 0.02] [--seq-len 384] [--shards N]
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import mirror_mlx  # noqa: F401  (before mlx: OpenBLAS)
 from mirror_mlx.draft.load import load_draft
 from mirror_mlx.models.load import load
 from mirror_mlx.train import feature
-from mirror_mlx.train.data import load_data
+from mirror_mlx.train.data import load_data, shard_paths
 from mirror_mlx.train.distill import _batches, agreement, examples, features_of, head_positions
 
 import numpy as np
@@ -30,9 +30,12 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0, help="the seed the training run used")
     p.add_argument("--holdout", type=float, default=0.02)
     p.add_argument("--seq-len", type=int, default=384)
+    p.add_argument("--shards", type=int, default=None,
+                   help="the first N shards only: those the run trained on, where the folder "
+                        "has grown since (distill --conversations N: N / 128 shards)")
     args = p.parse_args()
     target = load("default")
-    items = examples(load_data(args.data), args.seq_len)
+    items = examples(load_data(shard_paths(args.data)[: args.shards]), args.seq_len)
     np.random.default_rng(args.seed).shuffle(items)  # as train_draft splits them
     held = items[: max(1, int(len(items) * args.holdout))]
     print(f"{len(held)} held-out records of {len(items)} in {args.data}")
