@@ -239,6 +239,13 @@ class DraftNet(nn.Module):
     def head_ids(self) -> mx.array:
         return self._head_ids
 
+    def set_head(self, tokens: list[int], weight: mx.array) -> None:
+        """Score `tokens` instead, with these rows (an untied, restricted head)."""
+        self.config.head_tokens = list(tokens)
+        self.head = nn.Linear(self.config.hidden_size, len(tokens), bias=False)
+        self.head.weight = weight
+        self._head_ids = mx.array(tokens, mx.int32)
+
     @property
     def reads_features(self) -> bool:
         return bool(self.config.feature_layers)

@@ -44,7 +44,8 @@ class TrainConfig:
     streams: int = 0  # speculative streaming: extra tokens predicted per draft forward
     # A saved draft (folder, or "default" for the shipped one) to train further instead of
     # starting from the target's layers: distillation then spans runs on fresh data (another
-    # seed), each as long as a session allows. Its layers, head and streams are kept.
+    # seed), each as long as a session allows. Its layers, head size and streams are kept; its
+    # head's tokens are chosen again from the new data (distill.rehead).
     init: str | None = None
     # A feature-conditioned draft (draft/net.py): the target layers it reads ("auto": a low, a
     # middle and a late one), and the passes of its training-time test (train/feature.py).
@@ -110,6 +111,19 @@ def head_vocabulary(shards: list[dict], size: int, vocab: int) -> list[int]:
         np.add.at(counts, s["top_ids"][:, 0], 1)
         np.add.at(counts, s["tokens"], 1)
     return sorted(int(i) for i in np.argsort(-counts)[:size])
+
+
+def rehead(net: DraftNet, head: list[int], target: LoadedModel) -> None:
+    """Give a draft trained further the head this data calls for (the tokens its target writes
+    most here, which text of another kind changes): the rows it learnt for the tokens it keeps,
+    the target's embedding rows (as a fresh draft starts) for the others."""
+    old = {t: i for i, t in enumerate(net.config.head_tokens)}
+    rows = target.model.model.embed_tokens.weight[mx.array(head)].astype(net.head.weight.dtype)
+    kept = [j for j, t in enumerate(head) if t in old]
+    if kept:
+        rows[mx.array(kept)] = net.head.weight[mx.array([old[head[j]] for j in kept])]
+    net.set_head(head, rows)
+    mx.eval(net.head.parameters())
 
 
 def head_positions(head: list[int], vocab: int) -> np.ndarray:
@@ -255,6 +269,9 @@ def train_draft(target: LoadedModel, shards: list[dict], out: Path, cfg: TrainCo
         net = load_folder(SHIPPED_DRAFT if cfg.init == "default" else Path(cfg.init), target,
                           dtype="float32")  # stored 8-bit weights are widened to train
         net.embed_tokens.freeze()
+        if net.config.head_tokens and not net.config.tie_head:
+            rehead(net, head_vocabulary(shards, len(net.config.head_tokens), target.vocab_size),
+                   target)
         head = list(net.config.head_tokens)
     elif cfg.features:
         head = head_vocabulary(shards, cfg.head_tokens, target.vocab_size)

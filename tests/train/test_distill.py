@@ -3,16 +3,18 @@
 from mirror_mlx.api import Engine
 from mirror_mlx.cli import main
 from mirror_mlx.draft.base import Job
-from mirror_mlx.draft.load import load_draft
+from mirror_mlx.draft.load import SHIPPED_DRAFT, load_draft, load_folder
 from mirror_mlx.draft.mlx_draft import MLXDrafter
 from mirror_mlx.draft.net import DraftNet
 from mirror_mlx.errors import InvalidParameter
 from mirror_mlx.models import split
 from mirror_mlx.train.data import generate_data, load_data
-from mirror_mlx.train.distill import TrainConfig, train_draft
+from mirror_mlx.train.distill import TrainConfig, head_vocabulary, rehead, train_draft
 from mirror_mlx.train.feature import default_feature_layers
 from mirror_mlx.train.prompts import PromptSpec
 
+import mlx.core as mx
+import numpy as np
 import pytest
 
 
@@ -75,7 +77,22 @@ def test_training_continues_from_the_shipped_draft(samples, target):
     # It starts where the shipped draft's training ended, far below a fresh start.
     assert more["first_loss"] < fresh["first_loss"] - 0.5, (more, fresh)
     net = DraftNet.load(out / "more" / "draft", embedding=target.model.model.embed_tokens)
-    assert net.config.head_tokens == load_draft("default", target).config.head_tokens
+    assert net.config.head_tokens == head_vocabulary(shards, 8192, target.vocab_size)
+
+
+def test_a_draft_trained_further_takes_the_head_its_new_data_calls_for(target):
+    """Its rows for the tokens it keeps, the target's embedding rows for new ones; scores
+    follow the new head's order."""
+    net = load_folder(SHIPPED_DRAFT, target, dtype="float32")
+    shipped = list(net.config.head_tokens)
+    learnt = dict(zip(shipped, np.array(net.head.weight)))
+    new = sorted(shipped[:5] + [t for t in range(target.vocab_size) if t not in learnt][:3])
+    rehead(net, new, target)
+    assert net.config.head_tokens == new and net.head_ids.tolist() == new
+    embed = np.array(target.model.model.embed_tokens.weight)
+    for t, row in zip(new, np.array(net.head.weight)):
+        assert (row == (learnt[t] if t in learnt else embed[t])).all()
+    assert net.logits(mx.ones((1, net.config.hidden_size))).shape == (1, len(new))
 
 
 def test_speculative_streams_train_and_draft_several_tokens_per_forward(samples, target):
