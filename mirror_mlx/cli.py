@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init", default=None,
                    help="train this draft further (a distill draft folder, or 'default' for the "
                         "shipped one) instead of starting from the target's layers; its "
-                        "layers, head and streams are kept (use a new --seed for fresh data)")
+                        "layers, head size and streams are kept, its head's tokens chosen "
+                        "again from the new data (use a new --seed for fresh data)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "gpu"),
                    help="where MLX samples, labels and trains: its default device (auto: the "
