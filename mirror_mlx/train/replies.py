@@ -20,6 +20,7 @@ The file is an npz of token ids in flat arrays with per-row lengths:
 
 from __future__ import annotations
 
+import json
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -256,6 +257,9 @@ def replies_data(target: LoadedModel, path: Path, out: Path,
         raise DataFileError(f"{path} holds no replies of {', '.join(sets)}")
     folder = out / "data"
     folder.mkdir(parents=True, exist_ok=True)
+    if not taps:  # the labels do not depend on the features beside them: data made for a
+        # feature draft serves a token draft as it is, and its next shards keep the features
+        taps = _manifest(folder).get("features", [])
     claim(folder, {"source": "replies", "file": path.name, "sha256": sha256(path),
                    "target": Path(target.name).name, "sets": list(sets),
                    "top_k": TOP_K, "shard_size": shard_size, "seq_len": seq_len,
@@ -273,6 +277,14 @@ def replies_data(target: LoadedModel, path: Path, out: Path,
                                          seq_len))
     progress.close()
     return names
+
+
+def _manifest(folder: Path) -> dict:
+    try:
+        meta = json.loads((folder / "meta.json").read_text())
+    except (OSError, ValueError):  # none yet, or unreadable: claim says which
+        return {}
+    return meta if isinstance(meta, dict) else {}
 
 
 def _holds(shard: Path, records: int) -> bool:

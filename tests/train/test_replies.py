@@ -100,10 +100,14 @@ def test_features_come_with_the_labels_from_the_whole_record(replies, target, tm
                                                              monkeypatch):
     """With feature layers, each shard carries the target's features over the training
     window (mapped, not read), computed with the whole record as context: what the draft reads
-    when it runs, not what the window alone would give; training takes them as they are."""
+    when it runs, not what the window alone would give; training takes them as they are. A
+    token draft's run takes the same data."""
     path, layers = replies[0], [3, 15, 25]
-    shards = load_data(replies_data(target, path, tmp_path, seq_len=40, shard_size=2,
-                                    taps=layers))
+    paths = replies_data(target, path, tmp_path, seq_len=40, shard_size=2, taps=layers)
+    shards = load_data(paths)
+    assert json.loads((tmp_path / "data" / "meta.json").read_text())["features"] == layers
+    # A run for a token draft (no layers) takes the same folder as it is, features and all.
+    assert replies_data(target, path, tmp_path, seq_len=40, shard_size=2) == paths
     assert json.loads((tmp_path / "data" / "meta.json").read_text())["features"] == layers
     assert isinstance(shards[0]["features"], np.memmap)
     records = [s["tokens"][a:b] for s in shards
