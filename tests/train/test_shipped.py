@@ -46,7 +46,9 @@ def test_shipped_drafts_agree_with_the_target(target, fresh):
     head_index = head_positions(tokens.config.head_tokens, target.vocab_size)
     result = agreement(tokens, fresh, head_index, 256)
     assert result["positions"] > 300
-    assert result["top1_agreement"] > 0.44, result  # 0.49 here; the first shipped draft had 0.40
+    # 0.39 here: trained last on ShareGPT replies, it agrees more on real prompts (40.5% held
+    # out there, its template-trained start 31.9%) and less on these template prompts (0.49).
+    assert result["top1_agreement"] > 0.34, result
 
     net = load_draft(None, target)  # the default: it reads the target's features
     assert net.reads_features
@@ -55,8 +57,9 @@ def test_shipped_drafts_agree_with_the_target(target, fresh):
     batches = _batches(fresh, 1, 256, head_index, np.random.default_rng(0), feats)
     result = feature.feature_agreement(net, batches, 3)
     first, second, third = result["top1_agreement_by_pass"]
-    # Held-out at training: 0.515, 0.489, 0.471; fresh prompts here run a few points lower.
-    assert first > 0.40 and third > 0.34, result
+    # 0.34, 0.31, 0.31 here; held out at training (ShareGPT replies) 0.36, 0.35, 0.34. The
+    # draft it was trained further from, on template prompts alone: 0.41, 0.38, 0.37 here.
+    assert first > 0.30 and third > 0.26, result
 
 
 def test_exit_head_beats_the_raw_logit_lens(target, fresh):
