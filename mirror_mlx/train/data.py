@@ -180,12 +180,17 @@ def generate_data(target: LoadedModel, out: Path, conversations: int, seed: int 
     return folder
 
 
+def manifest(folder: Path) -> dict | None:
+    """The manifest of the data in `folder` (meta.json), None where none is written yet."""
+    path = folder / "meta.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def claim(folder: Path, meta: dict) -> None:
     """Write the manifest of the data a run makes in `folder`, or check that the one there
     describes the same work (a run resumes only what the same arguments began)."""
-    path = folder / "meta.json"
-    if path.exists():
-        old = json.loads(path.read_text())
+    old = manifest(folder)
+    if old is not None:
         if old != meta:
             diff = "; ".join(f"{k}: {old.get(k)} then, {meta.get(k)} now"
                              for k in sorted(set(old) | set(meta)) if old.get(k) != meta.get(k))
@@ -198,7 +203,7 @@ def claim(folder: Path, meta: dict) -> None:
     else:
         tmp = folder / ".meta.json"
         tmp.write_text(json.dumps(meta, indent=1))
-        tmp.rename(path)
+        tmp.rename(folder / "meta.json")
 
 
 def write_shard(path: Path, data: dict) -> None:

@@ -20,7 +20,6 @@ The file is an npz of token ids in flat arrays with per-row lengths:
 
 from __future__ import annotations
 
-import json
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from ..models.default import sha256
 from ..models.load import LoadedModel
 from ..progress import Progress
 from . import feature
-from .data import TOP_K, claim, write_shard
+from .data import TOP_K, claim, manifest, write_shard
 from .distill import PROMPT_TAIL, window
 
 SETS = {"greedy": 0.0, "t08": 0.8}  # name in the file -> temperature the replies were sampled at
@@ -259,7 +258,7 @@ def replies_data(target: LoadedModel, path: Path, out: Path,
     folder.mkdir(parents=True, exist_ok=True)
     if not taps:  # the labels do not depend on the features beside them: data made for a
         # feature draft serves a token draft as it is, and its next shards keep the features
-        taps = _manifest(folder).get("features", [])
+        taps = (manifest(folder) or {}).get("features", [])
     claim(folder, {"source": "replies", "file": path.name, "sha256": sha256(path),
                    "target": Path(target.name).name, "sets": list(sets),
                    "top_k": TOP_K, "shard_size": shard_size, "seq_len": seq_len,
@@ -277,14 +276,6 @@ def replies_data(target: LoadedModel, path: Path, out: Path,
                                          seq_len))
     progress.close()
     return names
-
-
-def _manifest(folder: Path) -> dict:
-    try:
-        meta = json.loads((folder / "meta.json").read_text())
-    except (OSError, ValueError):  # none yet, or unreadable: claim says which
-        return {}
-    return meta if isinstance(meta, dict) else {}
 
 
 def _holds(shard: Path, records: int) -> bool:
