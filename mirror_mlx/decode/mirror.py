@@ -151,6 +151,7 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
     feature layers lie at or below it), before verification has ended."""
     if scheduler is None:
         scheduler = scheduler_for(drafter, config.budget, config.separate_units)
+    scheduler.begin()
     own_unit = draft_units(drafter, config.separate_units)[0]
     committed = list(committed)
     q_params = None if sampler.params.greedy else sampler.params

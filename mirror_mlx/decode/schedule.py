@@ -17,7 +17,13 @@ one is (the target, the wait for the draft, and the fresh drafting when no rollo
 use); it is credited with the tokens the next step commits, which verify the window it made.
 The scheduler plays the plan that costs least per token and now and then probes a neighbour
 or the serial plan, step for step against it on the same stretch of text; a probe that loses
-waits twice as long before the next. It starts from what the hardware suggests: serial where
+waits twice as long before the next. A trial is decided only when its evidence is clear: the
+tokens a step commits swing from 1 to 10 with how much of the text lookup can copy, and a few
+steps that happen to meet a copy would otherwise win a trial for a plan that costs three times
+as much (measured: trials of 4 steps walked a 2-core host from serial to the full budget, at
+3-4x serial's cost per token). So a trial goes on, pair of steps by pair, until the probe is
+cheaper or dearer beyond the error of its ratio (jackknifed over the pairs), and a trial that
+stays unclear at its longest keeps the current plan. It starts from what the hardware suggests: serial where
 the draft shares the target's compute, the full budget where it does not. Plans only change
 the schedule, never what is committed.
 """
@@ -29,8 +35,10 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 AUTO_BUDGET = 8  # the most branches the automatic budget tries
-PROBE_STEPS = 4  # steps a probe plays another plan (as many again the current one)
+PROBE_STEPS = 12  # fewest steps a probe plays another plan (as many again the current one)
+LONGEST_TRIAL = 32  # most steps of a probe; unclear by then, the current plan stays
 MARGIN = 0.05  # a probe replaces the current plan only when this much cheaper
+ERRORS = 2.0  # how many standard errors of the cost ratio make a trial's evidence clear
 FIRST_PROBE = 16  # steps played before a plan's neighbour is first probed
 MAX_BACKOFF = 1024
 SMOOTHING = 0.2  # weight of the newest step in a plan's running cost
@@ -90,6 +98,12 @@ class Scheduler:
             return None
         return self.seconds[index] / max(self.tokens[index], 1e-9)
 
+    def begin(self) -> None:
+        """A generation starts: the last step of the one before, chosen and never recorded
+        (it ended before the next window was ready), is owed no more, or a trial running on
+        would play one plan twice in a row."""
+        self.owed = dict.fromkeys(self.owed, 0)
+
     def choose(self) -> int:
         """The index of the plan for the next step (see `plans`)."""
         if self.probe is None and self.samples[self.best] >= PROBE_STEPS:
@@ -123,11 +137,14 @@ class Scheduler:
             return
         self.owed[index] -= 1
         self.trial[index].append((seconds, tokens))
-        if min(len(t) for t in self.trial.values()) < PROBE_STEPS:
+        steps = min(len(t) for t in self.trial.values())
+        if steps < PROBE_STEPS:
             return
-        probe, base = (sum(s for s, _ in self.trial[i]) / max(1, sum(n for _, n in self.trial[i]))
-                       for i in (self.probe, self.best))
-        if probe < (1 - MARGIN) * base:
+        ratio, error = cost_ratio(self.trial[self.probe][:steps], self.trial[self.best][:steps])
+        wins = ratio + ERRORS * error < 1 - MARGIN
+        if not wins and ratio - ERRORS * error < 1 - MARGIN and steps < LONGEST_TRIAL:
+            return  # not clear yet: play another pair
+        if wins:
             self.backoff[self.best] = FIRST_PROBE
             self.best = self.probe
         else:
@@ -142,6 +159,23 @@ class Scheduler:
                           for i, p in enumerate(self.plans) if self.seconds[i] is not None)
         return (f"{self.plans[self.best].name}: {self.where}; measured per committed token: "
                 f"{known or 'nothing yet'}")
+
+
+def cost_ratio(probe: list[tuple[float, int]], base: list[tuple[float, int]]
+               ) -> tuple[float, float]:
+    """The probe's cost per committed token over the current plan's, on paired steps of a
+    trial, and the jackknife standard error of that ratio (each pair left out in turn)."""
+    def ratio(pairs):
+        p = sum(s for (s, _), _ in pairs) / sum(n for (_, n), _ in pairs)
+        b = sum(s for _, (s, _) in pairs) / sum(n for _, (_, n) in pairs)
+        return p / b
+
+    pairs = list(zip(probe, base))
+    n = len(pairs)
+    left_out = [ratio(pairs[:k] + pairs[k + 1:]) for k in range(n)]
+    mean = sum(left_out) / n
+    error = ((n - 1) / n * sum((r - mean) ** 2 for r in left_out)) ** 0.5
+    return ratio(pairs), error
 
 
 def device_name(device: mx.Device) -> str:

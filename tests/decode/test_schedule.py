@@ -4,6 +4,7 @@ no plan changes the output."""
 
 import argparse
 import itertools
+import random
 
 from mirror_mlx.api import Engine
 from mirror_mlx.cli import _auto_or_int
@@ -71,6 +72,37 @@ def test_where_work_beside_pays_it_climbs_to_the_cheapest_plan():
     played = play(s, cost, 600)
     assert s.plans[s.best].name == "early+2"
     assert played[-50:].count("early+2") >= 50 - PROBE_STEPS
+
+
+def copying_text(seed: int, steps: int) -> list[int]:
+    """Tokens committed per step on a text where lookup now and then copies a stretch: 1-3
+    a step, and 6-10 for a few steps at a time (as measured on Spec-Bench replies)."""
+    rng, copying, tokens = random.Random(seed), False, []
+    for _ in range(steps):
+        copying = rng.random() > 0.3 if copying else rng.random() < 0.08
+        tokens.append(rng.randint(6, 10) if copying else rng.randint(1, 3))
+    return tokens
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_steps_that_meet_a_copy_do_not_walk_it_off_the_cheapest_plan(seed):
+    """A shared host where each level of work beside the target costs more per step, on text
+    whose tokens per step swing with copies: a trial that a few copied steps would win for
+    the dearer plan stays unclear, and the serial plan is kept (trials of 4 steps compared by
+    their sums walked this to early+2 and early+8)."""
+    cost = {"serial": 0.05, "early": 0.06, "early+2": 0.07, "early+4": 0.085, "early+8": 0.11}
+    s, rng = Scheduler(separate=False, where="shared"), random.Random(seed)
+    played, previous = [], None
+    for n in copying_text(seed, 3000):
+        i = s.choose()
+        if previous is not None:
+            s.record(*previous)
+        name = s.plans[i].name
+        previous = i, cost[name] * rng.uniform(0.85, 1.15), n
+        played.append(name)
+    assert s.plans[s.best] == SERIAL, s.explain()
+    assert played.count("serial") > 0.75 * len(played)
+    assert not {"early+4", "early+8"} & set(played)
 
 
 def test_plans_are_chosen_by_committed_tokens_per_second():
