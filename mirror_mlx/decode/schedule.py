@@ -23,9 +23,9 @@ steps that happen to meet a copy would otherwise win a trial for a plan that cos
 as much (measured: trials of 4 steps walked a 2-core host from serial to the full budget, at
 3-4x serial's cost per token). So a trial goes on, pair of steps by pair, until the probe is
 cheaper or dearer beyond the error of its ratio (jackknifed over the pairs), and a trial that
-stays unclear at its longest keeps the current plan. It starts from what the hardware suggests: serial where
-the draft shares the target's compute, the full budget where it does not. Plans only change
-the schedule, never what is committed.
+stays unclear at its longest keeps the current plan. It starts from what the hardware
+suggests: serial where the draft shares the target's compute, the full budget where it does
+not. Plans only change the schedule, never what is committed.
 """
 
 from __future__ import annotations
