@@ -368,7 +368,10 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         if length and drafting and asked:
             length.record_step(sampler.params.temperature, len(new), g, spent)
         committed += new
+        was_drafting = drafting
         drafting = length is None or length.drafting(sampler.params.temperature)
+        if was_drafting and not drafting:
+            scheduler.restart()
         # A next step that drafts nothing (at most a free copy from the context, or a window
         # rolled out in this step) has its window now: its forward computes while the caller
         # works, as AR's does.

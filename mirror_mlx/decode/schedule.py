@@ -79,7 +79,8 @@ class Scheduler:
         self.where = where  # what the hardware suggested, in words
         self.fixed = fixed
         self.plans = (Plan(True, fixed),) if fixed is not None else plans_up_to(budget)
-        self.best = len(self.plans) - 1 if separate or fixed is not None else 0
+        self.start = len(self.plans) - 1 if separate or fixed is not None else 0
+        self.best = self.start
         self.seconds: list[float | None] = [None] * len(self.plans)  # per step (running)
         self.tokens: list[float | None] = [None] * len(self.plans)  # committed per step
         self.samples = [0] * len(self.plans)
@@ -103,6 +104,15 @@ class Scheduler:
         (it ended before the next window was ready), is owed no more, or a trial running on
         would play one plan twice in a row."""
         self.owed = dict.fromkeys(self.owed, 0)
+
+    def restart(self) -> None:
+        """Drafting was switched off (it did not pay under the plan played): the steps that
+        probe it again play the plan the hardware suggests, where drafting costs least, or a
+        dearer plan that switched drafting off could never be left (no drafting steps, no
+        probes; measured: a 2-core host stayed on early+2 with drafting off for 25 of 63
+        Spec-Bench generations)."""
+        self.best, self.probe, self.since = self.start, None, 0
+        self.trial, self.owed = {}, {}
 
     def choose(self) -> int:
         """The index of the plan for the next step (see `plans`)."""

@@ -8,6 +8,7 @@ import random
 
 from mirror_mlx.api import Engine
 from mirror_mlx.cli import _auto_or_int
+from mirror_mlx.decode import length
 from mirror_mlx.decode.schedule import (
     FIRST_PROBE,
     PROBE_STEPS,
@@ -46,6 +47,25 @@ def test_a_probe_alternates_step_for_step_with_the_current_plan():
     played = play(s, {"serial": 0.10, "early": 0.12}, FIRST_PROBE + 2 + 2 * PROBE_STEPS)
     assert played[:-1] == ["serial"] * (FIRST_PROBE + 1) + ["early", "serial"] * PROBE_STEPS
     assert s.probe is None and s.plans[s.best] == SERIAL
+
+
+def test_switching_drafting_off_goes_back_to_the_plan_the_hardware_suggests():
+    """A dearer plan under which drafting stopped paying must not outlive the switch-off:
+    with no drafting steps there would be no probes to leave it. Mid-trial too."""
+    s = Scheduler(separate=False, where="shared")
+    play(s, {"serial": 0.10, "early": 0.05, "early+2": 0.04, "early+4": 0.2,
+             "early+8": 0.3}, 300)
+    assert s.plans[s.best].name == "early+2"
+    while s.probe is None:
+        s.record(s.choose(), 0.04, 2)
+    s.restart()
+    assert s.plans[s.best] == SERIAL
+    play(s, {"serial": 0.10, "early": 0.05, "early+2": 0.04, "early+4": 0.2,
+             "early+8": 0.3}, 5)
+    s = Scheduler(separate=True, where="separate")
+    s.best = 0
+    s.restart()
+    assert s.plans[s.best].name == "early+8"
 
 
 def test_the_ladder_of_plans():
@@ -185,6 +205,20 @@ def test_a_host_that_shares_compute_starts_serial_and_measures_the_early_rollout
     assert scheduler.cost(0) is not None and scheduler.cost(1) is not None
     kept = scheduler.plans[scheduler.best].name
     assert stats.schedule.startswith(f"{kept}: the draft shares the target's compute (cpu)")
+
+
+def test_a_session_whose_drafting_stops_paying_plays_serial_when_it_probes_again(
+        target, monkeypatch):
+    """The decoder tells the scheduler when the gate switches drafting off: a session left
+    on early+2, where drafting is made never to pay, drafts its probe of steps there, and
+    the steps that probe drafting after the pause play serial."""
+    monkeypatch.setattr(length, "PAYS", float("inf"))
+    with Engine(target, mode="mirror", lookup=False) as engine:
+        scheduler = engine.session.scheduler
+        scheduler.best = scheduler.plans.index(Plan(True, 2))  # walked there, as measured
+        stats = engine.generate(PROMPTS[0], max_tokens=64).stats
+    assert stats.plan_steps["early+2"] == length.PROBE, stats.plan_steps
+    assert stats.plan_steps["serial"] >= 1, stats.plan_steps
 
 
 def test_no_plan_changes_the_output(target):
