@@ -28,9 +28,10 @@ import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.cache import make_prompt_cache
 
-# Enough samples to reject a wrong rule (the test below: chi2 ~280) and a draft length chosen
-# from the drawn token's own probability (chi2 ~100) against a critical ~88 at 2,000 samples.
-VOCAB, STEPS, SAMPLES = 8, 3, 2000
+# Enough samples to reject a draft length chosen from the drawn token's own probability
+# (chi2 ~100 against a critical ~88 at 2,000 samples), where the length adapts; elsewhere
+# enough to reject a wrong acceptance rule (the test below, at 1,000).
+VOCAB, STEPS, SAMPLES, FEWER = 8, 3, 2000, 1000
 PROMPT = [1, 5, 2]
 PARAMS = SamplingParams(temperature=0.9, top_p=0.95, top_k=6)
 
@@ -79,11 +80,11 @@ def exact(target, params) -> np.ndarray:
     return picked.prod(axis=-1)
 
 
-def draw(decode, target, drafter, params, accept=None) -> np.ndarray:
+def draw(decode, target, drafter, params, accept=None, samples=SAMPLES) -> np.ndarray:
     counts = np.zeros(VOCAB**STEPS)
     cache = make_prompt_cache(target)
     target(mx.array([PROMPT[:-1]]), cache=cache)
-    for i in range(SAMPLES):
+    for i in range(samples):
         for c in cache:
             c.trim(c.offset - (len(PROMPT) - 1))
         sampler = Sampler(SamplingParams(**{**params.__dict__, "seed": 2 * i}))
@@ -155,13 +156,13 @@ def sd_undrafted(target, cache, drafter, committed, sampler, stats, **kw):
 
 
 # Lookup copies the same way for every decoder: one case with it keeps the suite short.
-@pytest.mark.parametrize("decode,draft,lookup", [
-    (mirror_sd, "tokens", False), (sd_adaptive, "features", False),
-    (mirror_sd, "features", True), (sd_undrafted, "tokens", True),
+@pytest.mark.parametrize("decode,draft,lookup,samples", [
+    (mirror_sd, "tokens", False, FEWER), (sd_adaptive, "features", False, SAMPLES),
+    (mirror_sd, "features", True, FEWER), (sd_undrafted, "tokens", True, FEWER),
 ], ids=["mirror-network", "sd-adaptive-features-network", "mirror-features-lookup",
         "sd-undrafted-lookup"])
 def test_sampled_sequences_follow_the_target_distribution(models, feature_drafter, decode,
-                                                          draft, lookup):
+                                                          draft, lookup, samples):
     target, drafter = models
     if draft == "features":
         drafter = feature_drafter
@@ -169,10 +170,11 @@ def test_sampled_sequences_follow_the_target_distribution(models, feature_drafte
         drafter = LookupDrafter(drafter, match=(2, 1))
     probs = exact(target, PARAMS)
     assert probs.max() < 0.5 and (probs > 1e-3).sum() > 30, "a degenerate test distribution"
-    rejected, stat, critical = chi_square_rejects(draw(decode, target, drafter, PARAMS), probs)
+    rejected, stat, critical = chi_square_rejects(
+        draw(decode, target, drafter, PARAMS, samples=samples), probs)
     assert not rejected, f"chi2 {stat:.1f} > {critical:.1f}"
     if lookup:
-        assert drafter.copies > SAMPLES // 2  # many steps drafted by copying
+        assert drafter.copies > samples // 2  # many steps drafted by copying
 
 
 def wrong_accept(p, q, drafts, uniform, draw_token):
@@ -185,10 +187,11 @@ def wrong_accept(p, q, drafts, uniform, draw_token):
 
 
 def test_a_wrong_acceptance_rule_is_rejected(models):
+    """At the fewest samples a case above draws (chi2 109 against a critical 66 here)."""
     target, drafter = models
     probs = exact(target, PARAMS)
     rejected, stat, critical = chi_square_rejects(
-        draw(sd, target, drafter, PARAMS, accept=wrong_accept), probs)
+        draw(sd, target, drafter, PARAMS, accept=wrong_accept, samples=FEWER), probs)
     assert rejected, f"the wrong rule passed: chi2 {stat:.1f} <= {critical:.1f}"
 
 
