@@ -14,7 +14,7 @@ def test_soak_holds_memory_and_threads(tmp_path, default_gguf):
     out = tmp_path / "soak"
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "soak.py"), str(out), "--model",
-         str(default_gguf), "--generations", "30", "--modes", "ar", "--every", "3",
+         str(default_gguf), "--generations", "20", "--modes", "ar", "--every", "2",
          "--max-tokens", "8", "--warmup", "0.2"],
         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
