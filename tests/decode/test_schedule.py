@@ -52,16 +52,15 @@ def test_a_probe_alternates_step_for_step_with_the_current_plan():
 def test_switching_drafting_off_goes_back_to_the_plan_the_hardware_suggests():
     """A dearer plan under which drafting stopped paying must not outlive the switch-off:
     with no drafting steps there would be no probes to leave it. Mid-trial too."""
+    cost = {"serial": 0.10, "early": 0.05, "early+2": 0.04, "early+4": 0.2, "early+8": 0.3}
     s = Scheduler(separate=False, where="shared")
-    play(s, {"serial": 0.10, "early": 0.05, "early+2": 0.04, "early+4": 0.2,
-             "early+8": 0.3}, 300)
+    play(s, cost, 300)
     assert s.plans[s.best].name == "early+2"
     while s.probe is None:
         s.record(s.choose(), 0.04, 2)
     s.restart()
     assert s.plans[s.best] == SERIAL
-    play(s, {"serial": 0.10, "early": 0.05, "early+2": 0.04, "early+4": 0.2,
-             "early+8": 0.3}, 5)
+    play(s, cost, 5)
     s = Scheduler(separate=True, where="separate")
     s.best = 0
     s.restart()
