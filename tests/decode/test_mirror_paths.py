@@ -26,14 +26,15 @@ def outcomes(engine) -> Counter:
 @pytest.fixture(scope="module")
 def reference(target):
     engine = Engine(target, mode="ar")
-    return {p: engine.generate(p, max_tokens=32).token_ids for p in PROMPTS[:3]}
+    return {p: engine.generate(p, max_tokens=32).token_ids for p in PROMPTS[:2]}
 
 
 def test_every_path_taken_and_tokens_identical(target, reference):
     seen = Counter()
     # A draft equal to the target is always right (early reuse); a draft of 27 of the 30
-    # layers is right sometimes (branch hits at several positions, and fallbacks).
-    for draft, prompts in (("self:30", 1), ("self:27", 3)):
+    # layers is right sometimes (branch hits at several positions, and fallbacks: here 5, 7 and
+    # 6 of them on the first prompt alone, the second a margin).
+    for draft, prompts in (("self:30", 1), ("self:27", 2)):
         with Engine(target, mode="mirror", draft=draft, gamma=5, kappa=8,
                     branch_budget=4) as engine:
             for prompt, expected in list(reference.items())[:prompts]:
