@@ -210,7 +210,9 @@ def mirror(model: nn.Module, cache: list, drafter: Drafter, committed: list[int]
         longest = length.longest if length else config.gamma
         asked = room()
         confidence = length.threshold() if length else 0.0
-        copies = copy_room()
+        # A window dispatched ahead (a step that does not draft) has had its copy priced; asked
+        # again, the gate would count a held copy that is never verified.
+        copies = None if ahead else copy_room()
         # `spent`: drafting on this step's critical path.
         drafts, q, copied, spent = (ahead.drafts, ahead.q, ahead.copied, 0.0) if ahead else \
             take_window(asked, drafting, copies)

@@ -111,6 +111,26 @@ def test_copies_verified_where_drafting_is_off_are_priced(target, mode):
         assert copied and all(g in engine.session.length.target_s for g in copied), (
             stats.draft_lengths, engine.session.length.target_s)
 
+
+@pytest.mark.parametrize("mode", ["sd", "mirror"])
+def test_copies_that_do_not_pay_are_verified_one_in_copy_probe(target, mode):
+    """Drafting off, and copies priced so that not even their first token pays (verifying one
+    more token costs 1.5 times what a token earns): one copy in COPY_PROBE is verified, in
+    both decoders, on greedy text that repeats itself (9 in 88 steps here). Mirror-SD asked the
+    gate twice a step and so verified every fourth copy (16 in 80 steps), or none, by the
+    parity of its calls."""
+    with Engine(target, mode=mode, quiet=True) as engine:
+        length = engine.session.length
+        length.gates[0.0] = Gate(off_for=10**9)
+        length.target_s.update({0: 0.100, 1: 0.250})
+        length.record_target = lambda seconds, drafted: None  # the prices stay as set
+        stats = engine.generate("Say 'red, green, blue' five times.", max_tokens=96,
+                                sampling=SamplingParams()).stats
+        verified = sum(n for g, n in stats.draft_lengths.items() if g)
+    assert set(stats.draft_lengths) <= {0, 1}, stats.draft_lengths
+    assert 1 <= verified <= stats.target_steps // COPY_PROBE + 1, (verified, stats.target_steps)
+
+
 def test_a_draft_that_never_pays_costs_few_forwards_and_changes_nothing(target):
     """With a random draft (never right), most steps pay no draft forward, and greedy output
     stays target-only decoding's."""
