@@ -38,7 +38,11 @@ def main() -> None:
     items = examples(load_data(shard_paths(args.data)[: args.shards]), args.seq_len)
     np.random.default_rng(args.seed).shuffle(items)  # as train_draft splits them
     held = items[: max(1, int(len(items) * args.holdout))]
-    print(f"{len(held)} held-out records of {len(items)} in {args.data}")
+    unscored = sum(not e.scored for e in held)
+    held = [e for e in held if e.scored]
+    print(f"{len(held)} held-out records of {len(items)} in {args.data}"
+          + (f" ({unscored} more are sampled replies labelled by their own tokens: not scored)"
+             if unscored else ""))
     for spec in args.drafts.split(","):
         net = load_draft(spec, target)
         index = head_positions(list(net.config.head_tokens or range(target.vocab_size)),

@@ -251,6 +251,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sets", default="greedy,t08",
                    help="with --replies: the sets of replies to use, taken in turn "
                         "(greedy, t08 or both)")
+    p.add_argument("--labels", default="target", choices=("target", "replies"),
+                   help="with --replies: what a draft learns from, the target's top-8 (one "
+                        "forward a token: hours on a CPU for millions of tokens) or the reply "
+                        "tokens themselves (no forward; for --features none: a greedy reply is "
+                        "the target's best token, a sampled one a sample of its distribution)")
     p.add_argument("--data-only", action="store_true",
                    help="make the data (resumable) and stop before training")
     p.add_argument("--features", default="auto",
@@ -479,6 +484,8 @@ def cmd_distill(args) -> None:
     from .models.load import load
     from .train.distill import TrainConfig, run_distill
 
+    if args.labels != "target" and not args.replies:
+        raise InvalidParameter("--labels goes with --replies")
     if args.replies and args.prompts:
         raise InvalidParameter("--prompts and --replies exclude each other: replies come with "
                                "their prompts")
@@ -508,7 +515,8 @@ def cmd_distill(args) -> None:
     report = run_distill(target, Path(args.out), cfg, args.conversations, args.max_new,
                          args.sample_batch, prompts,
                          Path(args.replies) if args.replies else None,
-                         tuple(s.strip() for s in args.sets.split(",")), args.data_only)
+                         tuple(s.strip() for s in args.sets.split(",")), args.data_only,
+                         args.labels)
     print(json.dumps(report, indent=1))
     if not args.data_only:
         print(f"draft written to {Path(args.out) / 'draft'}", file=sys.stderr)

@@ -64,6 +64,9 @@ class Example:
     # record before the window as context, where the data holds them (a mapped file's rows).
     features: np.ndarray | None = None
     feature_layers: tuple[int, ...] = ()  # the target layers `features` hold
+    # Whether the labels' first token is the target's best one, so agreement can be scored on
+    # them: not where they are a sampled reply's own tokens (replies.one_hot_shard).
+    scored: bool = True
 
 
 PROMPT_TAIL = 32
@@ -80,6 +83,7 @@ def examples(shards: list[dict], seq_len: int) -> list[Example]:
     out = []
     for s in shards:
         pos = 0
+        one_hot = bool(s.get("one_hot", False))
         for r in range(len(s["prompt_len"])):
             a, b = int(s["offsets"][r]), int(s["offsets"][r + 1])
             n_resp = b - a - int(s["prompt_len"][r])
@@ -100,7 +104,7 @@ def examples(shards: list[dict], seq_len: int) -> list[Example]:
                 feats = s["features"][f0 : f0 + end - start - 1]
                 layers = tuple(int(n) for n in s["feature_layers"])
             out.append(Example(toks[start:end], first - start, ids[:keep], lp[:keep], feats,
-                               layers))
+                               layers, not (one_hot and s["temperature"][r] > 0)))
     return out
 
 
@@ -227,7 +231,9 @@ def _loss(net: DraftNet, x, tid, tw):
 
 def agreement(net: DraftNet, items: list[Example], head_index: np.ndarray,
               seq_len: int) -> dict:
-    """Held-out agreement: how often the draft's best token is the target's best token."""
+    """Held-out agreement: how often the draft's best token is the target's best token (over
+    the items whose labels say which that is)."""
+    items = [e for e in items if e.scored]
     hit = total = 0
     for at in range(0, len(items), 8):
         x, tid, tw = _collate(items[at : at + 8], seq_len, head_index)
@@ -370,7 +376,7 @@ def _resume(folder: Path, net: DraftNet, opt) -> int:
 def run_distill(target: LoadedModel, out: Path, cfg: TrainConfig, conversations: int | None,
                 max_new: int = 200, batch: int = 48, prompts: list[PromptSpec] | None = None,
                 replies: Path | None = None, sets: tuple[str, ...] = ("greedy", "t08"),
-                data_only: bool = False) -> dict:
+                data_only: bool = False, labels: str = "target") -> dict:
     """Make the data (sampled from the target, or its `replies` labelled; resuming), then train
     and save the draft; with `data_only`, stop after the data and describe it."""
     from .data import generate_data, load_data
@@ -378,7 +384,7 @@ def run_distill(target: LoadedModel, out: Path, cfg: TrainConfig, conversations:
 
     if replies is not None:
         data = replies_data(target, replies, out, sets, conversations, cfg.seq_len,
-                            taps=cfg.features or ())
+                            taps=cfg.features or (), labels=labels)
     else:
         data = generate_data(target, out, conversations or 4000, cfg.seed, max_new, batch,
                              prompts)

@@ -38,6 +38,11 @@ from .data import TOP_K, claim, manifest, write_shard
 from .distill import PROMPT_TAIL, window
 
 SETS = {"greedy": 0.0, "t08": 0.8}  # name in the file -> temperature the replies were sampled at
+# Where the labels come from: the target's top-k by a teacher-forced forward of each record, or
+# the reply tokens themselves, one-hot (no forward: minutes instead of hours on a CPU, for a
+# draft that reads tokens only; a greedy reply is the target's argmax, a sampled one a sample
+# of its distribution, which cross entropy against it estimates without bias).
+LABELS = ("target", "replies")
 SHARD_SIZE = 128  # records a shard: a few minutes of work on a 2-core CPU, so little is lost
 BATCH_TOKENS = 4096  # padded tokens a forward
 HEAD_CHUNK = 512  # positions an output-layer call: Gemma 3's 262,144 logits a position add up
@@ -212,15 +217,9 @@ def make_shard(model, records: list[tuple], batch_tokens: int = BATCH_TOKENS,
     starts = [window(len(p), len(p) + len(r), seq_len)[0] for p, r, _ in records]
     labels = teacher_forced(model, [(p, r) for p, r, _ in records], batch_tokens, progress,
                             taps, starts)
-    tokens = [np.concatenate([p, r]) for p, r, _ in records]
-    shard = {
-        "tokens": np.concatenate(tokens).astype(np.int32),
-        "offsets": np.concatenate([[0], np.cumsum([len(t) for t in tokens])]).astype(np.int64),
-        "prompt_len": np.array([len(p) for p, _, _ in records], np.int32),
-        "temperature": np.array([t for _, _, t in records], np.float32),
-        "top_ids": np.concatenate([i for i, _, _ in labels]),
-        "top_logp": np.concatenate([lp for _, lp, _ in labels]),
-    }
+    shard = {**_record_arrays(records),
+             "top_ids": np.concatenate([i for i, _, _ in labels]),
+             "top_logp": np.concatenate([lp for _, lp, _ in labels])}
     if taps:
         rows = [f for _, _, f in labels]
         shard["feature_layers"] = np.array(taps, np.int32)
@@ -231,14 +230,37 @@ def make_shard(model, records: list[tuple], batch_tokens: int = BATCH_TOKENS,
     return shard
 
 
+def one_hot_shard(records: list[tuple]) -> dict:
+    """One shard in data.py's format whose labels are the replies' own tokens: the first of the
+    top-k columns holds the token at log-probability 0, the others nothing (-inf)."""
+    shard = _record_arrays(records)
+    tokens = np.concatenate([r for _, r, _ in records]).astype(np.int32)
+    shard["top_ids"] = np.repeat(tokens[:, None], TOP_K, axis=1)
+    shard["top_logp"] = np.full((len(tokens), TOP_K), -np.inf, np.float16)
+    shard["top_logp"][:, 0] = 0
+    shard["one_hot"] = np.array(True)
+    return shard
+
+
+def _record_arrays(records: list[tuple]) -> dict:
+    tokens = [np.concatenate([p, r]) for p, r, _ in records]
+    return {
+        "tokens": np.concatenate(tokens).astype(np.int32),
+        "offsets": np.concatenate([[0], np.cumsum([len(t) for t in tokens])]).astype(np.int64),
+        "prompt_len": np.array([len(p) for p, _, _ in records], np.int32),
+        "temperature": np.array([t for _, _, t in records], np.float32),
+    }
+
+
 def replies_data(target: LoadedModel, path: Path, out: Path,
                  sets: Sequence[str] = tuple(SETS), count: int | None = None,
                  seq_len: int = 384, shard_size: int = SHARD_SIZE,
-                 batch_tokens: int = BATCH_TOKENS, taps: Sequence[int] = ()) -> list[Path]:
+                 batch_tokens: int = BATCH_TOKENS, taps: Sequence[int] = (),
+                 labels: str = "target") -> list[Path]:
     """Label the first `count` replies of `sets` from the file at `path` (all when None) with
-    the target's top-k, and with its features at the layers `taps` where given, into shards
-    under out/data/. Returns those shards' paths. Resumes where an earlier run stopped, with
-    the same count or another."""
+    the target's top-k, and with its features at the layers `taps` where given, or (`labels`
+    "replies") with their own tokens, into shards under out/data/. Returns those shards' paths.
+    Resumes where an earlier run stopped, with the same count or another."""
     unknown = [s for s in sets if s not in SETS]
     if not sets or unknown or len(set(sets)) != len(sets):
         raise InvalidParameter(f"--sets takes one or more of {', '.join(SETS)}, each once "
@@ -250,24 +272,36 @@ def replies_data(target: LoadedModel, path: Path, out: Path,
                                f" (the target's context; got {seq_len})")
     if shard_size < 1 or batch_tokens < 1:
         raise InvalidParameter("shard_size and batch_tokens must be positive")
+    if labels not in LABELS:
+        raise InvalidParameter(f"--labels takes {' or '.join(LABELS)} (got '{labels}')")
+    if labels == "replies" and taps:
+        raise InvalidParameter("--labels replies makes no forward of the target, so it has no "
+                               "features to give: train a draft that reads tokens only "
+                               "(--features none), or label with the target")
     replies = read_replies(path, sets, target.vocab_size)
     picks = interleave(replies, sets)[:count]
     if not picks:
         raise DataFileError(f"{path} holds no replies of {', '.join(sets)}")
     folder = out / "data"
     folder.mkdir(parents=True, exist_ok=True)
-    if not taps:  # the labels do not depend on the features beside them: data made for a
-        # feature draft serves a token draft as it is, and its next shards keep the features
+    if not taps and labels == "target":  # the labels do not depend on the features beside
+        # them: data made for a feature draft serves a token draft as it is, and its next
+        # shards keep the features
         taps = (manifest(folder) or {}).get("features", [])
     claim(folder, {"source": "replies", "file": path.name, "sha256": sha256(path),
                    "target": Path(target.name).name, "sets": list(sets),
                    "top_k": TOP_K, "shard_size": shard_size, "seq_len": seq_len,
-                   "features": list(taps)})
+                   "features": list(taps), "labels": labels})
     shards = [picks[i : i + shard_size] for i in range(0, len(picks), shard_size)]
     names = [folder / f"shard-{i:05d}.npz" for i in range(len(shards))]
     records = [_records(replies, s, seq_len, target.context_length) for s in shards]
     work = [sum(_work(p, r) for p, r, _ in recs) for recs in records]
     done = [_holds(name, len(recs)) for name, recs in zip(names, records)]
+    if labels == "replies":
+        for recs, name, d in zip(records, names, done):
+            if not d:
+                write_shard(name, one_hot_shard(recs))
+        return names
     progress = Progress("teacher forcing", sum(work), unit="tok",
                         done=sum(w for w, d in zip(work, done) if d))
     for recs, name, d in zip(records, names, done):

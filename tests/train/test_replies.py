@@ -138,6 +138,38 @@ def test_features_come_with_the_labels_from_the_whole_record(replies, target, tm
     assert (tmp_path / "draft" / "weights.safetensors").exists()
 
 
+def test_replies_as_their_own_labels_need_no_forward(replies, target, tmp_path, monkeypatch):
+    """--labels replies: each reply token is its own label at probability 1, without a forward
+    of the target; a token draft trains on it, and agreement is scored on the greedy replies
+    only (a sampled token is not the target's best). A feature draft is refused: there is no
+    forward to give it features."""
+    path, prompts, greedy, made_up = replies
+    monkeypatch.setattr("mirror_mlx.train.replies.teacher_forced",
+                        lambda *a, **k: pytest.fail("the target ran"))
+    paths = replies_data(target, path, tmp_path, shard_size=2, labels="replies")
+    items = examples(load_data(paths), 384)
+    expected = [(greedy[0][1], True), (made_up, False), (greedy[1][1], True),
+                (greedy[2][1], True), (greedy[3][1], True)]
+    for item, (reply, scored) in zip(items, expected, strict=True):
+        assert item.top_ids[:, 0].tolist() == reply and item.scored == scored
+        assert (item.top_logp[:, 0] == 0).all() and np.isneginf(item.top_logp[:, 1:]).all()
+    assert json.loads((tmp_path / "data" / "meta.json").read_text())["labels"] == "replies"
+    # The target's labels are other data: the same folder refuses them.
+    with pytest.raises(InvalidParameter, match="labels: replies then, target now"):
+        replies_data(target, path, tmp_path, shard_size=2)
+    with pytest.raises(InvalidParameter, match="no forward of the target"):
+        replies_data(target, path, tmp_path / "f", shard_size=2, labels="replies", taps=[3])
+    # Four of the five held out (holdout 0.8); only the greedy ones are scored: the made-up
+    # reply's tokens would count against a draft that does not write them.
+    cfg = TrainConfig(layers=1, head_tokens=1024, seq_len=64, batch=1, epochs=1, holdout=0.8,
+                      warmup=1, seed=1)
+    report = train_draft(target, load_data(paths), tmp_path, cfg)
+    held = examples(load_data(paths), 64)
+    np.random.default_rng(1).shuffle(held)
+    assert not all(e.scored for e in held[:4])
+    assert report["positions"] == sum(len(e.top_ids) for e in held[:4] if e.scored)
+
+
 def _write(path, **arrays):
     np.savez(path, **arrays)
     return path
