@@ -5,7 +5,7 @@ share). So a draft trained on the folder and drafts trained elsewhere are scored
 replies they never saw. Drafts that read the target's features are scored on their first pass.
 
     python benchmarks/heldout_agreement.py --data WORK/data --drafts default,FOLDER,...
-        [--seed 0] [--holdout 0.02] [--seq-len 384] [--shards N]
+        [--seed 0] [--holdout 0.02] [--seq-len 384] [--shards N] [--unseen-after N]
 """
 
 from __future__ import annotations
@@ -33,11 +33,16 @@ def main() -> None:
     p.add_argument("--shards", type=int, default=None,
                    help="the first N shards only: those the run trained on, where the folder "
                         "has grown since (distill --conversations N: N / 128 shards)")
+    p.add_argument("--unseen-after", type=int, default=0,
+                   help="score only the held-out records past the folder's first N: where a "
+                        "draft compared here was trained on those (distill --conversations N)")
     args = p.parse_args()
     target = load("default")
     items = examples(load_data(shard_paths(args.data)[: args.shards]), args.seq_len)
-    np.random.default_rng(args.seed).shuffle(items)  # as train_draft splits them
-    held = items[: max(1, int(len(items) * args.holdout))]
+    order = list(range(len(items)))
+    np.random.default_rng(args.seed).shuffle(order)  # as train_draft shuffles its items
+    held = [items[i] for i in order[: max(1, int(len(items) * args.holdout))]
+            if i >= args.unseen_after]
     unscored = sum(not e.scored for e in held)
     held = [e for e in held if e.scored]
     print(f"{len(held)} held-out records of {len(items)} in {args.data}"
