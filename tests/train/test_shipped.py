@@ -46,8 +46,9 @@ def test_shipped_drafts_agree_with_the_target(target, fresh):
     head_index = head_positions(tokens.config.head_tokens, target.vocab_size)
     result = agreement(tokens, fresh, head_index, 256)
     assert result["positions"] > 300
-    # 0.39 here: trained last on ShareGPT replies, it agrees more on real prompts (40.5% held
-    # out there, its template-trained start 31.9%) and less on these template prompts (0.49).
+    # 0.41 here: trained last on the target's replies to ShareGPT prompts, it agrees more on
+    # real prompts (57.6% on unseen greedy replies, 46.5% for the draft it was trained further
+    # from) and less on these template prompts than its template-trained start (0.49).
     assert result["top1_agreement"] > 0.34, result
 
     net = load_draft(None, target)  # the default: it reads the target's features
