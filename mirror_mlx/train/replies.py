@@ -295,13 +295,13 @@ def replies_data(target: LoadedModel, path: Path, out: Path,
     shards = [picks[i : i + shard_size] for i in range(0, len(picks), shard_size)]
     names = [folder / f"shard-{i:05d}.npz" for i in range(len(shards))]
     records = [_records(replies, s, seq_len, target.context_length) for s in shards]
-    work = [sum(_work(p, r) for p, r, _ in recs) for recs in records]
     done = [_holds(name, len(recs)) for name, recs in zip(names, records)]
     if labels == "replies":
         for recs, name, d in zip(records, names, done):
             if not d:
                 write_shard(name, one_hot_shard(recs))
         return names
+    work = [sum(_work(p, r) for p, r, _ in recs) for recs in records]
     progress = Progress("teacher forcing", sum(work), unit="tok",
                         done=sum(w for w, d in zip(work, done) if d))
     for recs, name, d in zip(records, names, done):
