@@ -279,8 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="speculative streaming: extra tokens the draft predicts per forward")
     p.add_argument("--sample-batch", type=int, default=48, help="sequences sampled at once")
     p.add_argument("--init", default=None,
-                   help="train this draft further (a distill draft folder, or 'default' for the "
-                        "shipped one) instead of starting from the target's layers; its "
+                   help="train this draft further (a distill draft folder, or 'default' / "
+                        "'default-tokens' for a shipped one) instead of starting from the target's layers; its "
                         "layers, head size and streams are kept, its head's tokens chosen "
                         "again from the new data (use a new --seed for fresh data)")
     p.add_argument("--seed", type=int, default=0)

@@ -30,6 +30,7 @@ from .net import DraftNet
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 SHIPPED_DRAFT = ASSETS / "draft-smollm2-135m"
 SHIPPED_TOKEN_DRAFT = ASSETS / "draft-smollm2-135m-tokens"
+SHIPPED_DRAFTS = {"default": SHIPPED_DRAFT, "default-tokens": SHIPPED_TOKEN_DRAFT}
 SHIPPED_EXIT_HEAD = ASSETS / "exit-smollm2-135m.safetensors"
 
 
@@ -47,7 +48,7 @@ def load_draft(spec: str | None, target: LoadedModel) -> DraftNet:
     spec = spec or AUTO
     if spec == AUTO:
         spec = auto_draft(target)
-    shipped = {"default": SHIPPED_DRAFT, "default-tokens": SHIPPED_TOKEN_DRAFT}.get(spec)
+    shipped = SHIPPED_DRAFTS.get(spec)
     if shipped is not None:
         if target.name == "default" and DraftNet.is_draft_folder(shipped):
             return load_folder(shipped, target)

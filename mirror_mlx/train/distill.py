@@ -21,7 +21,7 @@ import mlx.optimizers as optim
 import numpy as np
 from mlx.utils import tree_flatten, tree_map, tree_unflatten
 
-from ..draft.load import SHIPPED_DRAFT, load_folder, target_info
+from ..draft.load import SHIPPED_DRAFTS, load_folder, target_info
 from ..draft.net import DraftConfig, DraftNet, llama_source
 from ..errors import InvalidParameter, ModelLoadError
 from ..models.load import LoadedModel
@@ -272,7 +272,7 @@ def train_draft(target: LoadedModel, shards: list[dict], out: Path, cfg: TrainCo
     if len(items) < cfg.batch:
         raise InvalidParameter(f"only {len(items)} training examples; generate more data")
     if cfg.init:
-        net = load_folder(SHIPPED_DRAFT if cfg.init == "default" else Path(cfg.init), target,
+        net = load_folder(SHIPPED_DRAFTS.get(cfg.init, Path(cfg.init)), target,
                           dtype="float32")  # stored 8-bit weights are widened to train
         net.embed_tokens.freeze()
         if net.config.head_tokens and not net.config.tie_head:

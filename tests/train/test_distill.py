@@ -68,16 +68,17 @@ def test_training_lowers_the_loss_and_resumes(samples, target):
     assert more["first_loss"] < report["first_loss"]
 
 
-def test_training_continues_from_the_shipped_draft(samples, target):
+def test_training_continues_from_the_shipped_drafts(samples, target):
     out, shards = samples
     cfg = TrainConfig(seq_len=96, batch=4, epochs=1, warmup=2, holdout=0.1)
     fresh = train_draft(target, shards, out / "fresh", cfg)
-    more = train_draft(target, shards, out / "more", TrainConfig(**{**cfg.__dict__,
-                                                                    "init": "default"}))
-    # It starts where the shipped draft's training ended, far below a fresh start.
-    assert more["first_loss"] < fresh["first_loss"] - 0.5, (more, fresh)
-    net = DraftNet.load(out / "more" / "draft", embedding=target.model.model.embed_tokens)
-    assert net.config.head_tokens == head_vocabulary(shards, 8192, target.vocab_size)
+    for shipped in ("default", "default-tokens"):
+        more = train_draft(target, shards, out / shipped, TrainConfig(**{**cfg.__dict__,
+                                                                         "init": shipped}))
+        # It starts where the shipped draft's training ended, far below a fresh start.
+        assert more["first_loss"] < fresh["first_loss"] - 0.5, (shipped, more, fresh)
+        net = DraftNet.load(out / shipped / "draft", embedding=target.model.model.embed_tokens)
+        assert net.config.head_tokens == head_vocabulary(shards, 8192, target.vocab_size)
 
 
 def test_a_draft_trained_further_takes_the_head_its_new_data_calls_for(target):
