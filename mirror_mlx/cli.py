@@ -280,9 +280,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sample-batch", type=int, default=48, help="sequences sampled at once")
     p.add_argument("--init", default=None,
                    help="train this draft further (a distill draft folder, or 'default' / "
-                        "'default-tokens' for a shipped one) instead of starting from the target's layers; its "
-                        "layers, head size and streams are kept, its head's tokens chosen "
-                        "again from the new data (use a new --seed for fresh data)")
+                        "'default-tokens' for a shipped one) instead of starting from the "
+                        "target's layers; its layers, head size and streams are kept, its "
+                        "head's tokens chosen again from the new data (use a new --seed for "
+                        "fresh data)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "gpu"),
                    help="where MLX samples, labels and trains: its default device (auto: the "
