@@ -80,11 +80,11 @@ def test_dead_rank_ends_the_run_with_one_error(default_gguf, capfd):
 def test_silent_rank_ends_the_run_at_the_bound(default_gguf, capfd):
     """A rank alive but silent: only the watchdog can end the wait inside MLX."""
     status, out, err = run_ranks(capfd, 2, "--model", str(default_gguf), "--modes", "ar",
-                                 "--hang-after", "3", "--timeout", "15")
+                                 "--hang-after", "3", "--timeout", "8")
     assert status == 1
     assert out.strip() == ""
     assert err.count("mirror-mlx: error") == 1, err
-    assert "no answer within 15 s while waiting for hidden states from rank 1" in err
+    assert "no answer within 8 s while waiting for hidden states from rank 1" in err
 
 
 def test_different_weights_are_refused(default_gguf, tmp_path, capfd):

@@ -80,9 +80,9 @@ def test_a_silent_rank_ends_the_run_at_the_bound(default_gguf, tmp_path, capfd):
     tiny = tmp_path / "tiny.gguf"
     write_tiny_gguf(tiny, default_gguf)
     status, out, err = run_ranks(capfd, 2, "--model", str(tiny), "--parallel", "tensor",
-                                 "--modes", "ar", "--hang-after", "3", "--timeout", "10")
+                                 "--modes", "ar", "--hang-after", "3", "--timeout", "5")
     assert status == 1
     assert out.strip() == ""
     assert err.count("mirror-mlx: error") == 1, err
-    assert "no answer within 10 s while running a forward's layers with the other ranks" \
+    assert "no answer within 5 s while running a forward's layers with the other ranks" \
         in err
