@@ -31,19 +31,18 @@ def reference(target):
 
 def test_every_path_taken_and_tokens_identical(target, reference):
     seen = Counter()
-    # A draft equal to the target is always right (early reuse); a draft of 27 of the 30
-    # layers is right sometimes (branch hits at several positions, and fallbacks: here 5, 7 and
-    # 6 of them on the first prompt alone, the second a margin).
-    for draft, prompts in (("self:30", 1), ("self:27", 2)):
-        with Engine(target, mode="mirror", draft=draft, gamma=5, kappa=8,
-                    branch_budget=4) as engine:
-            for prompt, expected in list(reference.items())[:prompts]:
-                engine.session.reset()
-                engine.session.timeline = []
-                assert engine.generate(prompt, max_tokens=32).token_ids == expected
-                seen += outcomes(engine)
-                labels = [label for label, _, _ in engine.session.timeline]
-                assert sum(label.startswith("outcome:") for label in labels) > 0
+    # The shipped draft over a short window is right often enough for every outcome (measured
+    # here on the two prompts: 5 early, 15 branch hits at the first position, 4 later, 16
+    # fallbacks), at a tenth of a draft of the target's own layers' cost.
+    with Engine(target, mode="mirror", draft="default", gamma=3, kappa=8,
+                branch_budget=4) as engine:
+        for prompt, expected in reference.items():
+            engine.session.reset()
+            engine.session.timeline = []
+            assert engine.generate(prompt, max_tokens=32).token_ids == expected
+            seen += outcomes(engine)
+            labels = [label for label, _, _ in engine.session.timeline]
+            assert sum(label.startswith("outcome:") for label in labels) > 0
     # Each step ends in exactly one of: early reuse, branch reuse at A = 0, at A > 0, fallback.
     for kind in ("early", "branch:first", "branch:later", "fallback"):
         assert seen[kind] > 0, seen
@@ -53,7 +52,7 @@ def test_caches_consistent_across_turns(target):
     """Generation after generation in one session (cache reuse, rollbacks, reused branches)
     equals target-only decoding of the whole conversation from scratch."""
     messages = []
-    with Engine(target, mode="mirror", draft="self:27", branch_budget=4) as engine:
+    with Engine(target, mode="mirror", gamma=3, kappa=8, branch_budget=4) as engine:
         for turn in ("Name a planet.", "Is it bigger than Earth?", "Name another one."):
             messages.append({"role": "user", "content": turn})
             result = engine.generate(messages, max_tokens=20)
@@ -107,7 +106,7 @@ def test_each_job_stops_on_its_own(target, reference):
     """Verification that hits a branch makes the early rollout useless: it is stopped, so it
     no longer holds the draft's worker ahead of the branch job that is of use; the branch job
     is stopped only where no branch was hit."""
-    with Engine(target, mode="mirror", draft="self:27", gamma=5, kappa=8, branch_budget=4,
+    with Engine(target, mode="mirror", gamma=5, kappa=8, branch_budget=4,
                 lookup=False) as engine:
         jobs = []
         submit = engine.drafter.submit
