@@ -29,7 +29,7 @@ from pathlib import Path
 
 import mirror_mlx  # noqa: F401  (before mlx: OpenBLAS)
 from mirror_mlx.api import Engine
-from mirror_mlx.bench.harness import conversation
+from mirror_mlx.bench.harness import ar_turns
 from mirror_mlx.bench.prompts import load_prompts
 from mirror_mlx.draft.load import load_draft, load_exit_head
 from mirror_mlx.draft.lookup import lookup
@@ -100,9 +100,7 @@ def main() -> None:
     args = ap.parse_args()
 
     doc = json.loads(args.bench.read_text())
-    replies = {(r["question_id"], r["turn"]): r["token_ids"]
-               for r in doc["runs"] if r["mode"] == "ar"}
-    if not replies:
+    if not any(r["mode"] == "ar" for r in doc["runs"]):
         raise SystemExit(f"{args.bench}: no ar runs")
     target = load(doc["target"]["spec"] if doc["target"]["spec"] != "default" else None)
     net = load_draft(args.draft, target)
@@ -115,21 +113,14 @@ def main() -> None:
     head_vocab = split.ExitVocab.of(target.model, net.head_ids)
     # tokens, steps (network), steps (lookup), exit hits (full), exit hits (reduced)
     totals = defaultdict(lambda: np.zeros(5))
-    for p in load_prompts(args.prompts):
-        texts = []
-        for turn in range(len(p.turns)):
-            reply = replies.get((str(p.question_id), turn))
-            if reply is None:
-                break
-            prompt = encoder.encode(conversation(p, texts, turn))
-            texts.append(target.tokenizer.decode(reply, skip_special_tokens=True))
-            right = correct(target, net, prompt, reply, args.gamma)
-            row = [len(reply), steps(prompt, reply, right, args.gamma, False),
-                   steps(prompt, reply, right, args.gamma, True),
-                   *exit_hits(target, head, [None, head_vocab.with_tokens(target.model, prompt)],
-                              prompt + reply, reply, args.kappa)]
-            totals[p.category] += row
-            totals["all"] += row
+    for category, prompt, reply in ar_turns(doc["runs"], load_prompts(args.prompts), encoder):
+        right = correct(target, net, prompt, reply, args.gamma)
+        row = [len(reply), steps(prompt, reply, right, args.gamma, False),
+               steps(prompt, reply, right, args.gamma, True),
+               *exit_hits(target, head, [None, head_vocab.with_tokens(target.model, prompt)],
+                          prompt + reply, reply, args.kappa)]
+        totals[category] += row
+        totals["all"] += row
     print(f"tokens per target step at gamma {args.gamma} (network alone, with lookup); "
           f"exit top-{args.kappa} coverage at layer {head.layer} over the whole vocabulary "
           f"and over the draft's {len(net.head_ids)} head tokens and the prompt's")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import mirror_mlx  # noqa: F401  (before mlx: OpenBLAS)
 from mirror_mlx.api import Engine
-from mirror_mlx.bench.harness import conversation
+from mirror_mlx.bench.harness import ar_turns
 from mirror_mlx.bench.prompts import load_prompts
 from mirror_mlx.draft.load import load_draft
 from mirror_mlx.models.load import load
@@ -84,9 +84,7 @@ def main() -> None:
     temperature = doc["config"]["temperature"]
     if not temperature:
         raise SystemExit(f"{args.bench}: greedy; benchmarks/acceptance.py measures that exactly")
-    replies = {(r["question_id"], r["turn"]): r["token_ids"]
-               for r in doc["runs"] if r["mode"] == "ar"}
-    if not replies:
+    if not any(r["mode"] == "ar" for r in doc["runs"]):
         raise SystemExit(f"{args.bench}: no ar runs")
     factors = [float(x) for x in args.draft_temps.split(",")]
     target = load(doc["target"]["spec"] if doc["target"]["spec"] != "default" else None)
@@ -94,18 +92,11 @@ def main() -> None:
     encoder = Engine(target, mode="ar")
     # per category and factor: positions, first-token acceptance summed, tokens a step summed
     totals = defaultdict(lambda: np.zeros((len(factors), 3)))
-    for p in load_prompts(args.prompts):
-        texts = []
-        for turn in range(len(p.turns)):
-            reply = replies.get((str(p.question_id), turn))
-            if reply is None:
-                break
-            prompt = encoder.encode(conversation(p, texts, turn))
-            texts.append(target.tokenizer.decode(reply, skip_special_tokens=True))
-            alpha = overlaps(target, net, prompt, reply, temperature, factors, args.gamma)
-            rows = np.array([[len(reply), a[0].sum(), tokens_per_step(a)] for a in alpha])
-            totals[p.category] += rows
-            totals["all"] += rows
+    for category, prompt, reply in ar_turns(doc["runs"], load_prompts(args.prompts), encoder):
+        alpha = overlaps(target, net, prompt, reply, temperature, factors, args.gamma)
+        rows = np.array([[len(reply), a[0].sum(), tokens_per_step(a)] for a in alpha])
+        totals[category] += rows
+        totals["all"] += rows
     print(f"temperature {temperature}, gamma {args.gamma}: the first drafted token's acceptance "
           f"and tokens per drafting step, by draft temperature factor")
     print(f"{'category':16} " + " ".join(f"{f'x{f:g}':>14}" for f in factors))

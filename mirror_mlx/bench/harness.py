@@ -249,6 +249,21 @@ def conversation(prompt: BenchPrompt, replies: list[str], turn: int) -> str | li
     return messages + [{"role": "user", "content": prompt.turns[turn]}]
 
 
+def ar_turns(runs: list[dict], prompts: list[BenchPrompt], engine: Engine
+             ) -> Iterator[tuple[str, list[int], list[int]]]:
+    """A bench run's AR replies (its `runs`), each with its prompt's category and the token
+    ids it answered: the conversation up to its turn with the replies before it, encoded as the
+    run encoded it. For measures that teacher-force a draft over what AR wrote."""
+    replies = {(r["question_id"], r["turn"]): r["token_ids"] for r in runs if r["mode"] == "ar"}
+    for p in prompts:
+        texts: list[str] = []
+        for turn in range(len(p.turns)):
+            reply = replies.get((str(p.question_id), turn))
+            if reply is None:
+                break
+            yield p.category, engine.encode(conversation(p, texts, turn)), reply
+            texts.append(engine.target.tokenizer.decode(reply, skip_special_tokens=True))
+
 def run_bench(target: LoadedModel, prompts: list[BenchPrompt], config: BenchConfig,
               energy: MeterChoice, quiet: bool = False, prepare: Callable | None = None
               ) -> BenchResult:

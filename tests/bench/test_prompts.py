@@ -2,6 +2,8 @@
 
 import json
 
+from mirror_mlx.api import Engine
+from mirror_mlx.bench.harness import ar_turns
 from mirror_mlx.bench.prompts import BenchPrompt, builtin_prompts, load_prompts
 from mirror_mlx.errors import MirrorError
 
@@ -57,3 +59,23 @@ def test_builtin_set_covers_several_categories():
     assert len(categories) >= 6
     assert any(len(p.turns) > 1 for p in prompts)
     assert len({p.question_id for p in prompts}) == len(prompts)
+
+
+def test_ar_turns_give_each_reply_the_conversation_it_answered(target):
+    """What the teacher-forcing benchmarks read from a bench run: a second turn's prompt holds
+    the first turn's reply; a turn whose earlier reply is missing is not given."""
+    prompts = [BenchPrompt("1", "writing", ("Name a colour.", "And another?")),
+               BenchPrompt("2", "qa", ("a", "b"))]
+    first = target.tokenizer.encode("Blue.")
+    runs = [{"mode": "ar", "question_id": "1", "turn": 0, "token_ids": first},
+            {"mode": "ar", "question_id": "1", "turn": 1, "token_ids": [7]},
+            {"mode": "sd", "question_id": "2", "turn": 0, "token_ids": [7]},
+            {"mode": "ar", "question_id": "2", "turn": 1, "token_ids": [7]}]
+    with Engine(target, mode="ar") as engine:
+        turns = list(ar_turns(runs, prompts, engine))
+        assert [(c, r) for c, _, r in turns] == [("writing", first), ("writing", [7])]
+        assert turns[0][1] == engine.encode("Name a colour.")
+        assert turns[1][1] == engine.encode([
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "And another?"}])
