@@ -65,13 +65,7 @@ def steps(prompt: list[int], reply: list[int], right: np.ndarray, gamma: int,
 
 def correct(target, net, prompt: list[int], reply: list[int], gamma: int) -> np.ndarray:
     """(gamma, len(reply)): whether the draft's argmax is reply[t] as the i-th drafted token."""
-    ids = prompt + reply[:-1]
-    if net.reads_features:
-        f = feature.target_features(target, [np.array(ids)], net.config.feature_layers,
-                                    raw=True)[0]
-        passes = feature.unrolled_logits(net, mx.array([ids]), mx.array(f[None]), gamma)
-    else:
-        passes = [net(mx.array([ids]))] * gamma
+    passes = feature.passes_over_text(target, net, prompt + reply[:-1], gamma)
     guesses = [np.array(net.head_ids[mx.argmax(p[0, len(prompt) - 1 :], axis=-1)])
                for p in passes]
     return np.stack(guesses) == np.array(reply)[None]

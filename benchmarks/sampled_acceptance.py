@@ -45,12 +45,7 @@ def overlaps(target, net, prompt: list[int], reply: list[int], temperature: floa
     logits = target.model(mx.array([ids]))[0, start:].astype(mx.float32)
     # The target's probabilities of the draft's head tokens: q is zero elsewhere.
     p = mx.softmax(logits / temperature, axis=-1)[:, mx.array(np.array(net.head_ids))]
-    if net.reads_features:
-        f = feature.target_features(target, [np.array(ids)], net.config.feature_layers,
-                                    raw=True)[0]
-        passes = feature.unrolled_logits(net, mx.array([ids]), mx.array(f[None]), gamma)
-    else:
-        passes = [net(mx.array([ids]))] * gamma
+    passes = feature.passes_over_text(target, net, ids, gamma)
     return np.array([[mx.sum(mx.minimum(p, mx.softmax(d[0, start:].astype(mx.float32)
                                                       / (temperature * factor), axis=-1)),
                              axis=-1) for d in passes] for factor in factors])

@@ -166,6 +166,18 @@ def unrolled_logits(net: DraftNet, x: mx.array, f: mx.array, passes: int,
     return out
 
 
+def passes_over_text(target: LoadedModel, net: DraftNet, ids: list[int],
+                     passes: int) -> list[mx.array]:
+    """A draft's logits (1, T, head) at every position of `ids` as the 1st, 2nd, ... token of
+    a step: the unrolled passes for a draft that reads the target's features (the target's
+    states over the same text, unnormed as the decoders hand them), one forward for each pass
+    for a draft that reads tokens only. What benchmarks score a draft by over written text."""
+    if not net.reads_features:
+        return [net(mx.array([ids]))] * passes
+    f = target_features(target, [np.array(ids)], net.config.feature_layers, raw=True)[0]
+    return unrolled_logits(net, mx.array([ids]), mx.array(f[None]), passes)
+
+
 def labelled_rows(tw: mx.array, passes: int) -> list[mx.array]:
     """Per pass k, the flat positions with labels where pass k applies: t >= k (pass k at t
     stands for the k-th drafted token after t - k)."""
