@@ -264,6 +264,7 @@ def ar_turns(runs: list[dict], prompts: list[BenchPrompt], engine: Engine
             yield p.category, engine.encode(conversation(p, texts, turn)), reply
             texts.append(engine.target.tokenizer.decode(reply, skip_special_tokens=True))
 
+
 def run_bench(target: LoadedModel, prompts: list[BenchPrompt], config: BenchConfig,
               energy: MeterChoice, quiet: bool = False, prepare: Callable | None = None
               ) -> BenchResult:
