@@ -52,13 +52,15 @@ def overlaps(target, net, prompt: list[int], reply: list[int], temperature: floa
 
 
 def tokens_per_step(alpha: np.ndarray) -> float:
-    """Expected tokens a drafting step commits, summed over its positions: alpha (gamma, T)."""
+    """Expected tokens a drafting step commits, summed over its positions: alpha (gamma, T).
+    A step at t commits its accepted drafts and the target's token, at most the n - t tokens
+    the reply has left (as acceptance.py counts)."""
     gamma, n = alpha.shape
     total = 0.0
     for t in range(n):
         survive = 1.0
         total += 1.0
-        for i in range(min(gamma, n - t)):
+        for i in range(min(gamma, n - t - 1)):
             survive *= alpha[i, t + i]
             total += survive
     return total
