@@ -12,12 +12,16 @@ Copies from the context (prompt lookup) cost no drafting, but each copied token 
 verification, and how far a copy survives depends on the temperature (at 0 a quoted passage is
 copied whole; at 1.0 the target rarely repeats itself word for word). So copied token k is
 verified while a_k * t_1 exceeds what it adds to the step, T(k) - T(k - 1), a_k now being the
-chance, measured at this temperature over the copies verified so far, that a copy is accepted
-up to k, and T(k) the measured step over k tokens (on a CPU the first token adds far more than
-the next: 20% of a step on the default target; never taken below the fit's slope, as lengths
-not yet measured come from the fit); and one token past those, so that copies stay measured
-where they start to survive longer. Where not even the first copied token earns its cost, only
-one copy in COPY_PROBE is verified, for that measure.
+chance, measured at this temperature over the recent copies, that a copy is accepted up to k,
+and T(k) the measured step over k tokens (on a CPU the first token adds far more than the next:
+20% of a step on the default target; never taken below the fit's slope, as lengths not yet
+measured come from the fit). One copy in COPY_PROBE verifies one token past those (the first,
+where none earns its cost), so that copies stay measured where they start to survive longer
+(every copy doing so would pay for a token that seldom earns its cost). A position few recent
+copies reached is judged as the one before it: how far a copy survives depends on the text (an
+extraction quotes its source whole, a summary seldom a phrase), and counts left from other
+text made copies that fail at their first token run 4-8 tokens long at 1.0
+(docs/measurements.md).
 
 The costs are measured as decoding goes (moving averages), so the rule follows the hardware:
 a draft on its own unit (c_d hidden) drafts long windows, one that shares the target's cores
@@ -45,10 +49,12 @@ PROBE = 8  # drafting steps measured before drafting may be switched off, and af
 FIRST_PAUSE = 16  # steps without drafting after the first switch-off; doubled after each probe
 MAX_PAUSE = 512
 PAYS = 1.0  # earnings (target-only decoding = 1) below which drafting is switched off
-# Copies' acceptance at each window position, counted with this decay per observation (about
-# the last 20 copies count); before any, as if 2 copies had been seen and 1.8 accepted there.
+# Copies' acceptance at each window position is counted with this decay per copy verified
+# (about the last 20 copies count); a position fewer than COPY_SEEN recent copies reached is
+# filled up to that weight with the estimate at the position before (at the first, COPY_PRIOR).
 COPY_DECAY = 0.95
-COPY_PRIOR = (1.8, 2.0)
+COPY_SEEN = 2.0
+COPY_PRIOR = 0.9
 COPY_PROBE = 8
 
 
@@ -62,9 +68,17 @@ class Gate:
     off_for: int = 0  # steps left without drafting
     # Copies from the context, by window position: decayed counts of copies verified up to
     # there (reached it: every token before it accepted) and accepted there.
-    copy_hits: list[float] = field(default_factory=lambda: [COPY_PRIOR[0]] * LONGEST)
-    copy_tries: list[float] = field(default_factory=lambda: [COPY_PRIOR[1]] * LONGEST)
-    copies_held: int = 0  # copies not verified since the last one, where none pays
+    copy_hits: list[float] = field(default_factory=lambda: [0.0] * LONGEST)
+    copy_tries: list[float] = field(default_factory=lambda: [0.0] * LONGEST)
+    copies_probed: int = 0  # copies asked for since the last one verified past those that pay
+
+    def copy_acceptance(self) -> list[float]:
+        """The chance that copied token k is accepted where those before it were, k = 1, 2, ..."""
+        out, p = [], COPY_PRIOR
+        for hits, tries in zip(self.copy_hits, self.copy_tries):
+            p = (hits + max(0.0, COPY_SEEN - tries) * p) / max(tries, COPY_SEEN)
+            out.append(p)
+        return out
 
 
 @dataclass
@@ -116,24 +130,21 @@ class DraftLength:
         gate, t1 = self.gate(temperature), self.verify_s(0)
         slope = self._fit()[1]
         survives, k = 1.0, 0
-        for n, (hits, tries) in enumerate(zip(gate.copy_hits[: self.longest],
-                                              gate.copy_tries), 1):
-            survives *= hits / tries
+        for n, p in enumerate(gate.copy_acceptance()[: self.longest], 1):
+            survives *= p
             if survives * t1 <= max(slope, self.verify_s(n) - self.verify_s(n - 1)):
                 break
             k = n
-        if not k:
-            gate.copies_held = (gate.copies_held + 1) % COPY_PROBE
-            if gate.copies_held:
-                return 0
-        return min(self.longest, k + 1)
+        gate.copies_probed = (gate.copies_probed + 1) % COPY_PROBE
+        return min(self.longest, k + (not gate.copies_probed))
 
     def record_copy(self, temperature: float, verified: int, accepted: int) -> None:
         """A copy of `verified` tokens had its first `accepted` accepted."""
         gate = self.gate(temperature)
-        for k in range(min(verified, accepted + 1, LONGEST)):
-            gate.copy_tries[k] = COPY_DECAY * gate.copy_tries[k] + 1
-            gate.copy_hits[k] = COPY_DECAY * gate.copy_hits[k] + (k < accepted)
+        for k in range(LONGEST):
+            reached = k < min(verified, accepted + 1)
+            gate.copy_tries[k] = COPY_DECAY * gate.copy_tries[k] + reached
+            gate.copy_hits[k] = COPY_DECAY * gate.copy_hits[k] + (reached and k < accepted)
 
     def verify_s(self, drafted: int) -> float:
         """A target step over `drafted` drafts: its running average where steps of that length

@@ -67,22 +67,39 @@ def test_drafting_is_priced_with_the_measured_window_costs():
 
 def test_copies_are_as_long_as_they_survive_at_each_temperature():
     """A copied token costs c_v (2.5 ms here, t_1 = 100 ms): copies run to the longest window
-    where they are accepted whole and otherwise stop one token (still measured) past those
-    that survive; where none survives, only one copy in COPY_PROBE is verified (its first
-    token); each temperature on its own measure."""
+    where they are accepted whole and otherwise stop at those that survive, one copy in
+    COPY_PROBE verifying one token more (still measured); where none survives, only that one
+    (its first token); each temperature on its own measure."""
     length = measured(DraftLength())
     assert length.longest_copy(1.0) == LONGEST  # nothing measured: copies as they come
     for _ in range(100):
         length.record_copy(0.0, LONGEST, LONGEST)
         length.record_copy(0.5, LONGEST, 3)
         length.record_copy(1.0, LONGEST, 0)
-    assert [length.longest_copy(t) for t in (0.0, 0.5)] == [LONGEST, 4]
-    held = [length.longest_copy(1.0) for _ in range(3 * COPY_PROBE)]
-    assert held == ([0] * (COPY_PROBE - 1) + [1]) * 3
+    for t, survive in ((0.0, LONGEST), (0.5, 3), (1.0, 0)):
+        copies = [length.longest_copy(t) for _ in range(3 * COPY_PROBE)]
+        probed = min(LONGEST, survive + 1)
+        assert sorted(copies) == [survive] * 3 * (COPY_PROBE - 1) + [probed] * 3, (t, copies)
+        assert copies[:COPY_PROBE] * 3 == copies, (t, copies)  # one in every COPY_PROBE
     # Copies that survive the token past the rule lengthen again.
     for _ in range(60):
         length.record_copy(0.5, 4, 4)
     assert length.longest_copy(0.5) == LONGEST
+
+
+def test_a_copy_judges_positions_few_copies_reach_as_the_one_before():
+    """Copies that ran whole through other text (an extraction) and then fail at their first
+    token (a summary at temperature 1.0): the positions past the first, which no copy reaches
+    any more, are forgotten as the first position's old counts are (within 60 copies), instead
+    of keeping the old text's and verifying copies 10 tokens long that are rejected at once."""
+    length = measured(DraftLength())
+    for _ in range(100):
+        length.record_copy(1.0, LONGEST, LONGEST)
+    assert length.longest_copy(1.0) == LONGEST
+    for _ in range(60):
+        length.record_copy(1.0, LONGEST, 1 if _ % 3 == 0 else 0)
+    assert max(length.longest_copy(1.0) for _ in range(COPY_PROBE)) <= 3, (
+        length.gate(1.0).copy_acceptance())
 
 
 def test_copies_are_priced_with_the_measured_window_costs():
