@@ -96,8 +96,8 @@ def test_a_copy_judges_positions_few_copies_reach_as_the_one_before():
     for _ in range(100):
         length.record_copy(1.0, LONGEST, LONGEST)
     assert length.longest_copy(1.0) == LONGEST
-    for _ in range(60):
-        length.record_copy(1.0, LONGEST, 1 if _ % 3 == 0 else 0)
+    for i in range(60):
+        length.record_copy(1.0, LONGEST, 1 if i % 3 == 0 else 0)
     assert max(length.longest_copy(1.0) for _ in range(COPY_PROBE)) <= 3, (
         length.gate(1.0).copy_acceptance())
 
