@@ -15,7 +15,7 @@ def test_server_holds_under_load_and_abuse(tmp_path, default_gguf):
     out = tmp_path / "reliability"
     run = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "reliability.py"), str(out), "--modes", "ar",
-         "--model", str(default_gguf), "--clients", "4", "--minutes", "0.1", "--max-tokens",
+         "--model", str(default_gguf), "--clients", "4", "--minutes", "0.05", "--max-tokens",
          "8", "--malformed", "75", "--disconnects", "1", "--read-timeout", "2"],
         capture_output=True, text=True, timeout=600)
     report = (out / "reliability.md").read_text() if (out / "reliability.md").exists() else ""

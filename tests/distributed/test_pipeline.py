@@ -35,17 +35,17 @@ def test_generate_on_two_ranks_equals_single_process(single, capfd, tmp_path):
         (single["sd"].stats.draft_tokens, single["sd"].stats.accepted_tokens)
 
 
-def test_three_ranks_all_decoders_equal_single_process(single, default_gguf, capfd):
-    """AR, SD and Mirror-SD over 3 ranks with rank 0 holding only layers 27-30: the early
-    exit (after layer 25) and the draft's feature layers (3, 15, 25) come back from ranks 1
-    and 2, rank 2 sending the exit ahead of the rest (Mirror-SD runs first: SD after it reads
-    its features from there)."""
+def test_three_ranks_speculative_decoders_equal_single_process(single, default_gguf, capfd):
+    """SD and Mirror-SD over 3 ranks with rank 0 holding only layers 27-30: the early exit
+    (after layer 25) and the draft's feature layers (3, 15, 25) come back from ranks 1 and 2,
+    rank 2 sending the exit ahead of the rest (Mirror-SD runs first: SD after it reads its
+    features from there). AR over these ranks runs in the interleaved sessions at the end."""
     status, out, err = run_ranks(capfd, 3, "--model", str(default_gguf), "--split",
                                  "4,13,13", "--branch-budget", "1", "--interleave", "--sampled",
-                                 "--modes", "mirror,ar,sd")
+                                 "--modes", "mirror,sd")
     assert status == 0, err
     replies = json.loads(out.strip().splitlines()[-1])
-    for mode in ("ar", "sd", "mirror"):
+    for mode in ("sd", "mirror"):
         assert replies[mode]["token_ids"] == single["ar"].token_ids, mode
         assert replies[mode]["stats"]["split"] == [4, 13, 13]
     sd = replies["sd"]["stats"]
