@@ -40,11 +40,10 @@ def test_families_mlx_lm_cannot_shard_are_refused(family):
 def test_three_ranks_speculative_decoding_equals_single_process(single, default_gguf, capfd):
     """`--parallel auto` on 3 ranks shards the default target, and Mirror-SD's tokens are one
     process's AR tokens: the shares' sums change only the float rounding of the target's
-    logits. SD is not run here: its step, one whole forward
-    over a window, is what the prefill already runs through the sharded layers, and SD over
-    ranks runs in the pipeline tests; nor is AR, whose step is Mirror-SD's verification over
-    one token. 8 tokens: 3 ranks on 2 cores run about a token in 2 s (seeded sampling and
-    sessions are checked on the pipeline)."""
+    logits. SD is not run here: its step, one whole forward over a window, is what the prefill
+    already runs through the sharded layers, and SD over ranks runs in the pipeline tests; nor
+    is AR, whose step is Mirror-SD's verification over one token. 8 tokens: 3 ranks on 2 cores
+    run about a token in 2 s (seeded sampling and sessions are checked on the pipeline)."""
     status, out, err = run_ranks(capfd, 3, "--model", str(default_gguf), "--parallel", "auto",
                                  "--branch-budget", "1", "--max-tokens", "8",
                                  "--modes", "mirror")
